@@ -1,0 +1,22 @@
+"""Layer 1: the recompute mechanism (non-reentrant, on ``saved_tensors_hooks``)."""
+
+from gradckpt.engine.checkpoint import checkpoint, checkpoint_sequential
+from gradckpt.engine.decisions import RECOMPUTE, SAVE, TAG, Decision, PolicyContext
+from gradckpt.engine.frame import CheckpointError, Frame, active_frame, in_region_forward, tag
+from gradckpt.engine.modes import counts_as_op
+
+__all__ = [
+    "RECOMPUTE",
+    "SAVE",
+    "TAG",
+    "CheckpointError",
+    "Decision",
+    "Frame",
+    "PolicyContext",
+    "active_frame",
+    "checkpoint",
+    "checkpoint_sequential",
+    "counts_as_op",
+    "in_region_forward",
+    "tag",
+]

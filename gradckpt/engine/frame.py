@@ -1,0 +1,413 @@
+"""The recompute mechanism: regions, their saved-tensor holders, and recomputation.
+
+A *region* (a :class:`Frame`) is a stretch of forward computation whose saved
+tensors are not kept. While it runs, ``saved_tensors_hooks`` replace every
+tensor autograd wants to save by an empty :class:`_Holder`. The first time
+backward unpacks one of them, the region runs again from its kept inputs
+(once per backward pass) and fills all its holders; each value is dropped as
+soon as backward has unpacked it.
+
+Nesting follows one rule: **while a region runs its original forward, regions
+opened inside it are not regions** (the outer one will rerun them anyway, so
+they keep nothing). When the outer region is *recomputed*, the regions met
+during that recompute become real: they keep their inputs (and the outputs
+their policy saves), and the holders they cover are filled later, by their own
+recompute, when backward first needs one of them. This is the schedule of the
+rotor dynamic program: a segment is recomputed once, and inside that recompute
+each block is either kept or checkpointed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradckpt.engine.decisions import SAVE, TAG, PolicyContext, as_decision
+from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
+from gradckpt.engine.state import ReplayState, capture_state
+
+__all__ = ["CheckpointError", "Frame", "active_frame", "in_region_forward", "tag"]
+
+
+class CheckpointError(RuntimeError):
+    """The recompute of a region did not reproduce what its forward saved."""
+
+
+_DEBUG_TIP = (
+    "The region must run the same ops on the same shapes in its recompute as in its "
+    "forward (no data-dependent control flow on changed state). Pass debug=True to "
+    "gradckpt.checkpoint to see both op sequences."
+)
+
+
+class _Holder:
+    """Stands in for one saved tensor in the autograd graph; filled per backward pass."""
+
+    __slots__ = ("__weakref__", "meta", "owner", "values")
+
+    def __init__(self, owner: Frame, meta: Any) -> None:
+        self.owner = owner  # keeps the region (its inputs) alive while the graph needs it
+        self.meta = meta
+        self.values: dict[int, Any] = {}
+
+
+class _Deferred:
+    """A holder's value for this backward pass will come from ``frame``'s recompute."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+
+class _StopRecompute(Exception):
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+
+_CONSUMED = object()
+_MISSING = object()
+_LOCAL = threading.local()
+_fresh_ids = itertools.count(start=1 << 62)
+
+
+def _stack() -> list[tuple[Frame, int | None]]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def active_frame() -> tuple[Frame, int | None] | None:
+    """The innermost running region and its backward id (None during its forward)."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def in_region_forward() -> bool:
+    """True while a region runs its forward: regions opened there are no-ops."""
+    top = active_frame()
+    return top is not None and top[1] is None
+
+
+def _graph_id() -> int:
+    gid = torch._C._current_graph_task_id()
+    # Unpacking outside backward (e.g. reading grad_fn._saved_*) gets a fresh
+    # id, so it recomputes rather than reading a stale pass.
+    return next(_fresh_ids) if gid == -1 else gid
+
+
+def _meta(x: torch.Tensor) -> tuple:
+    return (x.shape, x.dtype, x.device)
+
+
+def _unpack(packed: Any) -> Any:
+    if not isinstance(packed, _Holder):
+        return packed  # a tensor saved by a recompute's own graph (backward inside a region)
+    holder = packed
+    gid = _graph_id()
+    value = holder.values.get(gid, _MISSING)
+    if value is _MISSING:
+        holder.owner.recompute(gid)
+        value = holder.values.get(gid, _MISSING)
+    while type(value) is _Deferred:
+        value.frame.recompute(gid)
+        resolved = holder.values.get(gid, _MISSING)
+        if resolved is value:
+            raise CheckpointError("internal: a nested region did not fill its saved tensor")
+        value = resolved
+    if value is _CONSUMED:
+        raise CheckpointError(
+            "a checkpointed tensor was unpacked twice in one backward pass; if you read "
+            "ctx.saved_tensors in a custom autograd.Function, read it once per backward."
+        )
+    if value is _MISSING:
+        raise CheckpointError(
+            "the recompute of a checkpointed region did not produce a tensor its forward "
+            f"saved. {_DEBUG_TIP}"
+        )
+    holder.values[gid] = _CONSUMED
+    return value
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a region's tensor inputs through autograd, so an enclosing
+    ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) applies to them and in-place
+    changes to them are caught by the version counter."""
+
+    @staticmethod
+    def forward(ctx, dummy, *tensors):
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty((0,))
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover - never part of a real backward
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class Frame:
+    """One checkpointed region: its kept inputs, holders, policy cache and recompute.
+
+    ``body(inputs)`` reruns the region from the list of its flattened inputs.
+    A frame is opened with :meth:`begin` and closed with :meth:`end`, which may
+    happen in different Python calls (a region spanning several blocks).
+    """
+
+    def __init__(
+        self,
+        body: Callable[[list[Any]], Any],
+        *,
+        policy: Callable[..., Any] | None = None,
+        preserve_rng_state: bool = True,
+        check_metadata: bool = True,
+        early_stop: bool = True,
+        debug: bool = False,
+        name: str = "",
+        context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    ) -> None:
+        self.body = body
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+        self.check_metadata = check_metadata
+        self.early_stop = early_stop
+        self.name = name
+        self.context_fn = context_fn
+        top = active_frame()
+        # Opened during an enclosing region's recompute: holders come from it.
+        self.parent: tuple[Frame, int] | None = (
+            (top[0], top[1]) if top is not None and top[1] is not None else None
+        )
+        self.slots: list[weakref.ref[_Holder] | None] = []
+        self.cache: dict[int, CacheEntry] = {}
+        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.op_count = 0
+        self.forward_completed = False
+        self.lenient_count = False
+        self.recomputed: set[int] = set()
+        self.counters: dict[int, int] = {}
+        self.stops: dict[int, int] = {}
+        self.forward_log: list[str] | None = [] if debug else None
+        self.recompute_log: list[str] | None = None
+        self._template: list[Any] = []
+        self._input_node: Any = None
+        self._inputs: list[torch.Tensor] = []
+        self._versions: list[int] = []
+        self._requires_grad: list[bool] = []
+        self._state: ReplayState | None = None
+        self._exit: contextlib.ExitStack | None = None
+        self._recompute_context: Any = None
+
+    # ------------------------------------------------------------------ forward
+
+    def save_inputs(self, flat_inputs: list[Any]) -> None:
+        """Keep the region's inputs (tensors by reference; other values as they are)."""
+        tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
+        self._template = [None if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+        self._requires_grad = [t.requires_grad for t in tensors]
+        if self.parent is None:
+            dummy = torch.empty((0,), requires_grad=True)
+            self._input_node = _SaveInputs.apply(dummy, *tensors).grad_fn
+        else:
+            # Inside an enclosing recompute, saving through autograd would add
+            # entries to the enclosing region's sequence: keep plain references.
+            self._inputs = [t.detach() for t in tensors]
+            self._versions = [t._version for t in tensors]
+        self._state = capture_state(tensors, self.preserve_rng_state)
+
+    def _get_inputs(self) -> list[Any]:
+        if self._input_node is not None:
+            tensors = list(self._input_node.saved_tensors)
+        else:
+            for t, version in zip(self._inputs, self._versions):
+                if t._version != version:
+                    raise RuntimeError(
+                        "an input of a checkpointed region was modified in place after the "
+                        "region ran; its recompute would see different values. Clone the "
+                        "tensor before changing it."
+                    )
+            tensors = self._inputs
+        it = iter(tensors)
+        rg = iter(self._requires_grad)
+        out = []
+        for x in self._template:
+            if x is None:
+                t = next(it).detach()
+                out.append(t.requires_grad_(True) if next(rg) else t)
+            else:
+                out.append(x)
+        return out
+
+    def begin(self) -> None:
+        """Enter the region's forward: saved tensors become holders from here on."""
+        stack = contextlib.ExitStack()
+        pack = self._pack_forward if self.parent is None else self._pack_nested
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+        if self.context_fn is not None:
+            forward_context, self._recompute_context = self.context_fn()
+            stack.enter_context(forward_context)
+        if self.policy is not None:
+            stack.enter_context(PolicyMode(self))
+        if self.forward_log is not None:
+            stack.enter_context(OpLogMode(self.forward_log))
+        _stack().append((self, None))
+        stack.callback(_stack().pop)
+        self._exit = stack
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """Leave the region's forward (pass the exception if it failed)."""
+        exit_stack, self._exit = self._exit, None
+        if exit_stack is None:
+            return
+        exit_stack.close()
+        if exc is None:
+            self.forward_completed = True
+            if self.parent is None and self._state is not None:
+                self._state.check_device_not_initialized_inside()
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """``begin``/``end`` as a context manager."""
+        self.begin()
+        try:
+            yield
+        except BaseException as exc:
+            self.end(exc)
+            raise
+        self.end()
+
+    def _pack_forward(self, x: torch.Tensor) -> _Holder:
+        holder = _Holder(self, _meta(x) if self.check_metadata else None)
+        self.slots.append(weakref.ref(holder))
+        return holder
+
+    def _pack_nested(self, x: torch.Tensor) -> Any:
+        parent, gid = self.parent
+        holder = parent._fill(gid, _Deferred(self), x)
+        self.slots.append(weakref.ref(holder) if holder is not None else None)
+        parent._maybe_stop(gid)
+        return holder if holder is not None else x.detach()
+
+    def tag(self, tensor: torch.Tensor, name: str) -> None:
+        """A tensor of this region's forward got a name: ask the policy about it."""
+        ctx = PolicyContext(index=-1, region=self.name)
+        decision = as_decision(self.policy(ctx, TAG, tensor, name), TAG, self.policy)
+        found = self.producers.get(tensor)
+        if decision is SAVE and found is not None:
+            index, func = found
+            self.cache[index] = CacheEntry(func, tensor)
+
+    # ---------------------------------------------------------------- recompute
+
+    def _fill(self, gid: int, value: Any, x: torch.Tensor) -> _Holder | None:
+        index = self.counters[gid]
+        self.counters[gid] = index + 1
+        if index >= len(self.slots):
+            if not self.forward_completed:
+                # Backward inside the region's own forward: the recompute runs past
+                # the point where that backward happened. Nothing to fill.
+                self.lenient_count = True
+                return None
+            raise CheckpointError(
+                "a checkpointed region saved more tensors during its recompute than during "
+                f"its forward ({len(self.slots)}). {_DEBUG_TIP}{self._log_tail()}"
+            )
+        ref = self.slots[index]
+        holder = ref() if ref is not None else None
+        if holder is None:
+            return None  # already consumed by an earlier (partial) backward
+        if holder.meta is not None and holder.meta != _meta(x):
+            raise CheckpointError(
+                f"a checkpointed region recomputed saved tensor #{index} with "
+                f"shape/dtype/device {_meta(x)}, but its forward saved {holder.meta}. "
+                f"{_DEBUG_TIP}{self._log_tail()}"
+            )
+        holder.values[gid] = value
+        return holder
+
+    def _maybe_stop(self, gid: int) -> None:
+        if self.early_stop and self.counters[gid] > self.stops[gid]:
+            raise _StopRecompute(self)
+
+    def _pack_recompute(self, gid: int) -> Callable[[torch.Tensor], Any]:
+        def pack(x: torch.Tensor) -> Any:
+            value = x.detach()
+            self._fill(gid, value, x)
+            self._maybe_stop(gid)
+            return value
+
+        return pack
+
+    def recompute(self, gid: int) -> None:
+        """Run the region again (once per backward pass) and fill its holders."""
+        if gid in self.recomputed:
+            return
+        self.recomputed.add(gid)
+        alive = [i for i, ref in enumerate(self.slots) if ref is not None and ref() is not None]
+        if not alive:
+            return
+        self.counters[gid] = 0
+        self.stops[gid] = alive[-1]
+        inputs = self._get_inputs()
+        stopped = False
+        stack = _stack()
+        stack.append((self, gid))
+        if self.forward_log is not None:
+            self.recompute_log = []
+        try:
+            with contextlib.ExitStack() as ctx:
+                ctx.enter_context(self._state.replay())
+                ctx.enter_context(torch.enable_grad())
+                ctx.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self._pack_recompute(gid), _unpack)
+                )
+                if self._recompute_context is not None:
+                    ctx.enter_context(self._recompute_context)
+                ctx.enter_context(RecomputeMode(self))
+                if self.recompute_log is not None:
+                    ctx.enter_context(OpLogMode(self.recompute_log))
+                self.body(inputs)
+        except _StopRecompute as stop:
+            if stop.frame is not self:
+                raise
+            stopped = True
+        finally:
+            stack.pop()
+        count = self.counters.pop(gid)
+        self.stops.pop(gid)
+        if not stopped and count != len(self.slots) and not self.lenient_count:
+            raise CheckpointError(
+                f"a checkpointed region saved {count} tensors during its recompute but "
+                f"{len(self.slots)} during its forward. {_DEBUG_TIP}{self._log_tail()}"
+            )
+
+    def _log_tail(self) -> str:
+        if self.forward_log is None:
+            return ""
+        fwd = "\n  ".join(self.forward_log) or "(none)"
+        rec = "\n  ".join(self.recompute_log or []) or "(none)"
+        return f"\nOps in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Name a tensor so name-based policies can keep it; returns the tensor itself.
+
+    Inside a region whose policy saves ``name`` (e.g. ``policies.save_names``),
+    the op that produced ``tensor`` is kept instead of recomputed. Elsewhere it
+    does nothing.
+
+    Example:
+        >>> h = gradckpt.tag(attn(x), "attn_out")
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"gradckpt.tag needs a non-empty string name, got {name!r}")
+    top = active_frame()
+    if top is not None and top[1] is None and top[0].policy is not None:
+        top[0].tag(tensor, name)
+    return tensor

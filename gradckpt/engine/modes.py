@@ -1,0 +1,192 @@
+"""Dispatch modes that run below autograd inside a region.
+
+* :class:`PolicyMode` asks the region's policy about every op during the
+  forward and keeps the outputs of ``SAVE`` ops.
+* :class:`RecomputeMode` runs during the recompute: it replays kept outputs
+  instead of running their ops again, and keeps the recompute from writing to
+  state that existed before it started (BatchNorm running statistics, counters),
+  so module side effects happen once per step, not twice (pytorch#96136).
+* :class:`OpLogMode` records op names for ``debug=True`` error messages.
+
+Op positions are counted identically by all of them and by the profiler
+(:func:`counts_as_op`), so a plan can name ops by index.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from gradckpt.engine.decisions import SAVE, PolicyContext, as_decision
+
+if TYPE_CHECKING:
+    from gradckpt.engine.frame import Frame
+
+__all__ = ["OpLogMode", "PolicyMode", "RecomputeMode", "counts_as_op", "written_args"]
+
+aten = torch.ops.aten
+
+# Metadata-only ops and the detaches autograd and our hooks issue: they allocate
+# nothing, cost nothing, and may differ between the forward and the recompute.
+_UNCOUNTED = {
+    aten.detach.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    torch.ops.prim.device.default,
+}
+
+
+def counts_as_op(func: Any) -> bool:
+    """Whether an op gets a position in a region (plans index ops by it)."""
+    return func not in _UNCOUNTED
+
+
+_WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+
+
+def written_args(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Positions and keyword names of the arguments an op writes to, from its schema."""
+    found = _WRITES.get(func)
+    if found is None:
+        positions, names = [], []
+        schema = getattr(func, "_schema", None)
+        for i, arg in enumerate(schema.arguments if schema is not None else ()):
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                if arg.kwarg_only:
+                    names.append(arg.name)
+                else:
+                    positions.append(i)
+        found = _WRITES[func] = (tuple(positions), tuple(names))
+    return found
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _detach_keeping_version(x: Any) -> Any:
+    # Below autograd, ADInplaceOrView is excluded; re-enable it so the detached
+    # alias shares the version counter and later in-place writes stay visible.
+    if isinstance(x, torch.Tensor):
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            return x.detach()
+    return x
+
+
+class CacheEntry:
+    """Outputs of a SAVE op, with the versions they had when kept."""
+
+    __slots__ = ("func", "outputs", "versions")
+
+    def __init__(self, func: Any, outputs: Any) -> None:
+        self.func = func
+        self.outputs = tree_map(_detach_keeping_version, outputs)
+        flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        self.versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in flat)
+
+    def intact(self) -> bool:
+        flat = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
+        return all(v is None or t._version == v for t, v in zip(flat, self.versions))
+
+
+class PolicyMode(TorchDispatchMode):
+    """Forward of a region with a policy: number ops, ask the policy, keep SAVE outputs."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in _UNCOUNTED:
+            frame = self.frame
+            index = frame.op_count
+            frame.op_count = index + 1
+            ctx = PolicyContext(index=index, region=frame.name, output=out)
+            policy = frame.policy
+            decision = as_decision(policy(ctx, func, *args, **kwargs), func, policy)
+            if decision is SAVE:
+                frame.cache[index] = CacheEntry(func, out)
+            elif isinstance(out, torch.Tensor):
+                frame.producers[out] = (index, func)
+        return out
+
+
+class RecomputeMode(TorchDispatchMode):
+    """Recompute of a region: replay kept outputs, never write to pre-existing state."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.frame = frame
+        self.index = 0
+        self.local: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _UNCOUNTED:
+            return func(*args, **kwargs)
+        index = self.index
+        self.index = index + 1
+        entry = self.frame.cache.get(index)
+        if entry is not None and entry.func is func and entry.intact():
+            return entry.outputs
+        positions, names = written_args(func)
+        if positions or names:
+            args, kwargs = self._redirect_writes(args, kwargs, positions, names)
+        out = func(*args, **kwargs)
+        local = self.local
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                local.add(_storage_key(t))
+        return out
+
+    def _redirect_writes(self, args, kwargs, positions, names):
+        # A write to a tensor this recompute did not create (a buffer, a parameter,
+        # a region input) already happened in the forward: aim it at a copy.
+        def private(t):
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in self.local:
+                copy = t.clone()
+                self.local.add(_storage_key(copy))
+                return copy
+            return t
+
+        if positions:
+            args = list(args)
+            for i in positions:
+                if i < len(args):
+                    args[i] = private(args[i])
+        if names:
+            kwargs = dict(kwargs)
+            for name in names:
+                if name in kwargs:
+                    kwargs[name] = private(kwargs[name])
+        return args, kwargs
+
+
+class OpLogMode(TorchDispatchMode):
+    """Record the names of the ops a region runs (for ``debug=True``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _UNCOUNTED:
+            self.log.append(str(func))
+        return func(*args, **(kwargs or {}))
