@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradckpt.engine.frame import Frame, in_region_forward
 
-__all__ = ["checkpoint", "checkpoint_sequential"]
+__all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -78,6 +78,31 @@ def checkpoint(
         >>> y.sum().backward()
     """
     _validate(fn, policy, determinism_check, use_reentrant)
+    return run_checkpointed(
+        fn,
+        args,
+        kwargs,
+        policy=policy,
+        preserve_rng_state=preserve_rng_state,
+        check_metadata=determinism_check == "default",
+        early_stop=early_stop,
+        debug=debug,
+        context_fn=context_fn,
+    )
+
+
+def run_checkpointed(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    name: str = "",
+    **options: Any,
+) -> Any:
+    """:func:`checkpoint` with arguments passed explicitly (no clash with ``fn``'s kwargs).
+
+    ``options`` are :class:`~gradckpt.engine.Frame` options (policy, early_stop, ...).
+    """
     if not torch.is_grad_enabled() or in_region_forward():
         # Nothing is saved under no_grad; inside another region's forward the
         # enclosing region recomputes this one anyway.
@@ -88,16 +113,7 @@ def checkpoint(
         call_args, call_kwargs = tree_unflatten(inputs, spec)
         return fn(*call_args, **call_kwargs)
 
-    frame = Frame(
-        body,
-        policy=policy,
-        preserve_rng_state=preserve_rng_state,
-        check_metadata=determinism_check == "default",
-        early_stop=early_stop,
-        debug=debug,
-        name=getattr(fn, "__name__", type(fn).__name__),
-        context_fn=context_fn,
-    )
+    frame = Frame(body, name=name or getattr(fn, "__name__", type(fn).__name__), **options)
     frame.save_inputs(flat)
     with frame.forward():
         return fn(*args, **kwargs)

@@ -74,6 +74,7 @@ class _StopRecompute(Exception):
 
 _CONSUMED = object()
 _MISSING = object()
+_TENSOR_SLOT = object()  # marks where a tensor input goes in a frame's input template
 _LOCAL = threading.local()
 _fresh_ids = itertools.count(start=1 << 62)
 
@@ -162,7 +163,7 @@ class Frame:
 
     def __init__(
         self,
-        body: Callable[[list[Any]], Any],
+        body: Callable[[list[Any]], Any] | None,
         *,
         policy: Callable[..., Any] | None = None,
         preserve_rng_state: bool = True,
@@ -185,7 +186,7 @@ class Frame:
             (top[0], top[1]) if top is not None and top[1] is not None else None
         )
         self.slots: list[weakref.ref[_Holder] | None] = []
-        self.cache: dict[int, CacheEntry] = {}
+        self.cache: dict[tuple[Any, int], CacheEntry] = {}  # by modes.replay_key
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.op_count = 0
         self.forward_completed = False
@@ -209,7 +210,9 @@ class Frame:
     def save_inputs(self, flat_inputs: list[Any]) -> None:
         """Keep the region's inputs (tensors by reference; other values as they are)."""
         tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
-        self._template = [None if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+        self._template = [
+            _TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in flat_inputs
+        ]
         self._requires_grad = [t.requires_grad for t in tensors]
         if self.parent is None:
             dummy = torch.empty((0,), requires_grad=True)
@@ -237,7 +240,7 @@ class Frame:
         rg = iter(self._requires_grad)
         out = []
         for x in self._template:
-            if x is None:
+            if x is _TENSOR_SLOT:
                 t = next(it).detach()
                 out.append(t.requires_grad_(True) if next(rg) else t)
             else:
@@ -247,17 +250,21 @@ class Frame:
     def begin(self) -> None:
         """Enter the region's forward: saved tensors become holders from here on."""
         stack = contextlib.ExitStack()
-        pack = self._pack_forward if self.parent is None else self._pack_nested
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
-        if self.context_fn is not None:
-            forward_context, self._recompute_context = self.context_fn()
-            stack.enter_context(forward_context)
-        if self.policy is not None:
-            stack.enter_context(PolicyMode(self))
-        if self.forward_log is not None:
-            stack.enter_context(OpLogMode(self.forward_log))
-        _stack().append((self, None))
-        stack.callback(_stack().pop)
+        try:
+            if self.context_fn is not None:
+                forward_context, self._recompute_context = self.context_fn()
+                stack.enter_context(forward_context)
+            pack = self._pack_forward if self.parent is None else self._pack_nested
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+            if self.policy is not None:
+                stack.enter_context(PolicyMode(self))
+            if self.forward_log is not None:
+                stack.enter_context(OpLogMode(self.forward_log))
+            _stack().append((self, None))
+            stack.callback(_stack().pop)
+        except BaseException:
+            stack.close()
+            raise
         self._exit = stack
 
     def end(self, exc: BaseException | None = None) -> None:
@@ -299,11 +306,19 @@ class Frame:
         ctx = PolicyContext(index=-1, region=self.name)
         decision = as_decision(self.policy(ctx, TAG, tensor, name), TAG, self.policy)
         found = self.producers.get(tensor)
+        if found is None and tensor._base is not None:
+            # A view (a Linear on 3-D input ends in one): keep the op that made its base.
+            tensor = tensor._base
+            found = self.producers.get(tensor)
         if decision is SAVE and found is not None:
-            index, func = found
-            self.cache[index] = CacheEntry(func, tensor)
+            key, func = found
+            self.cache[key] = CacheEntry(func, tensor)
 
     # ---------------------------------------------------------------- recompute
+
+    def run_body(self, inputs: list[Any]) -> Any:
+        """Rerun the region from its inputs (subclasses replay differently)."""
+        return self.body(inputs)
 
     def _fill(self, gid: int, value: Any, x: torch.Tensor) -> _Holder | None:
         index = self.counters[gid]
@@ -372,7 +387,7 @@ class Frame:
                 ctx.enter_context(RecomputeMode(self))
                 if self.recompute_log is not None:
                     ctx.enter_context(OpLogMode(self.recompute_log))
-                self.body(inputs)
+                self.run_body(inputs)
         except _StopRecompute as stop:
             if stop.frame is not self:
                 raise

@@ -14,6 +14,7 @@ Op positions are counted identically by all of them and by the profiler
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,14 @@ from gradckpt.engine.decisions import SAVE, PolicyContext, as_decision
 if TYPE_CHECKING:
     from gradckpt.engine.frame import Frame
 
-__all__ = ["OpLogMode", "PolicyMode", "RecomputeMode", "counts_as_op", "written_args"]
+__all__ = [
+    "OpLogMode",
+    "PolicyMode",
+    "RecomputeMode",
+    "counts_as_op",
+    "replay_key",
+    "written_args",
+]
 
 aten = torch.ops.aten
 
@@ -58,6 +66,20 @@ def counts_as_op(func: Any) -> bool:
 _WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 
 
+def _undeclared_writes() -> dict[Any, tuple[int, ...]]:
+    # Batch norm kernels update running_mean/running_var (arguments 3 and 4) in
+    # place without saying so in their schemas.
+    found = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found[packet.default] = (3, 4)
+    return found
+
+
+_UNDECLARED_WRITES = _undeclared_writes()
+
+
 def written_args(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Positions and keyword names of the arguments an op writes to, from its schema."""
     found = _WRITES.get(func)
@@ -71,12 +93,15 @@ def written_args(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
                     names.append(arg.name)
                 else:
                     positions.append(i)
-        found = _WRITES[func] = (tuple(positions), tuple(names))
+        positions.extend(_UNDECLARED_WRITES.get(func, ()))
+        found = _WRITES[func] = (tuple(sorted(set(positions))), tuple(names))
     return found
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    # The storage's identity, not its data pointer: that is 0 for every fake or
+    # meta storage.
+    return t.untyped_storage()._cdata
 
 
 def _detach_keeping_version(x: Any) -> Any:
@@ -86,6 +111,26 @@ def _detach_keeping_version(x: Any) -> Any:
         with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
             return x.detach()
     return x
+
+
+def _is_view(func: Any) -> bool:
+    return bool(getattr(func, "is_view", False))
+
+
+def replay_key(func: Any, occurrences: collections.Counter[Any]) -> tuple[Any, int]:
+    """Key of a kept output: the op and how many times it ran before in the region.
+
+    The recompute finds kept outputs by this key, as torch's selective
+    checkpointing does, not by the op's position: tools that hook module calls
+    (FlopCounterMode, ModuleTracker, FSDP2 run ``register_multi_grad_hook``,
+    hence ``t.view_as(t)`` on leaf inputs) add ops to a recompute that its
+    forward did not run, and a shifted position would replay one layer's output
+    into the next identical layer. View ops take no part: they cost nothing, so
+    they are rerun rather than kept.
+    """
+    n = occurrences[func]
+    occurrences[func] = n + 1
+    return (func, n)
 
 
 class CacheEntry:
@@ -110,6 +155,7 @@ class PolicyMode(TorchDispatchMode):
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
+        self.occurrences: collections.Counter[Any] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,10 +167,13 @@ class PolicyMode(TorchDispatchMode):
             ctx = PolicyContext(index=index, region=frame.name, output=out)
             policy = frame.policy
             decision = as_decision(policy(ctx, func, *args, **kwargs), func, policy)
+            if _is_view(func):
+                return out  # free to redo and aliases its input: never kept (see replay_key)
+            key = replay_key(func, self.occurrences)
             if decision is SAVE:
-                frame.cache[index] = CacheEntry(func, out)
+                frame.cache[key] = CacheEntry(func, out)
             elif isinstance(out, torch.Tensor):
-                frame.producers[out] = (index, func)
+                frame.producers[out] = (key, func)
         return out
 
 
@@ -134,18 +183,18 @@ class RecomputeMode(TorchDispatchMode):
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
-        self.index = 0
+        self.occurrences: collections.Counter[Any] = collections.Counter()
         self.local: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _UNCOUNTED:
+        if func in _UNCOUNTED or _is_view(func):
             return func(*args, **kwargs)
-        index = self.index
-        self.index = index + 1
-        entry = self.frame.cache.get(index)
+        entry = self.frame.cache.get(replay_key(func, self.occurrences))
         if entry is not None and entry.func is func and entry.intact():
-            return entry.outputs
+            # A fresh alias each time: autograd attaches this recompute's graph to
+            # the returned tensor, and the cache must not keep that graph alive.
+            return tree_map(_detach_keeping_version, entry.outputs)
         positions, names = written_args(func)
         if positions or names:
             args, kwargs = self._redirect_writes(args, kwargs, positions, names)

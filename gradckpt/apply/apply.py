@@ -1,0 +1,127 @@
+"""``apply(model, plan)`` installs a plan in place; ``remove(model)`` undoes it."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from torch import nn
+
+from gradckpt.apply.wrappers import SegmentSpec, UnitSpec, make_wrapper, plan_policy
+from gradckpt.plan.plan import Plan, Segment, UnitChoice
+from gradckpt.profile.fingerprint import model_fingerprint
+
+__all__ = ["PlanMismatchError", "applied_plan", "apply", "remove"]
+
+
+class PlanMismatchError(ValueError):
+    """The plan was made for another model."""
+
+
+@dataclass
+class _Installed:
+    plan: Plan
+    modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan installed on ``model`` by :func:`apply`, or None."""
+    installed = _INSTALLED.get(model)
+    return installed.plan if installed is not None else None
+
+
+def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
+    modules = dict(model.named_modules())
+    shapes = dict(plan.input_shapes)
+    specs: dict[str, UnitSpec] = {}
+
+    def visit(items: tuple, enclosing: list[SegmentSpec]) -> None:
+        for item in items:
+            if isinstance(item, Segment):
+                spec = SegmentSpec(item.paths, enclosing[-1] if enclosing else None)
+                visit(item.items, [*enclosing, spec])
+                continue
+            assert isinstance(item, UnitChoice)
+            module = modules.get(item.path)
+            if module is None:
+                raise PlanMismatchError(
+                    f"the plan names {item.path!r}, which this model does not have"
+                )
+            if item.path in specs:
+                raise ValueError(f"the plan lists {item.path!r} twice")
+            plain = getattr(module.forward, "__gradckpt_original__", module.forward)
+            policy = (
+                plan_policy(item.path, item.save, item.save_ops)
+                if item.mode == "selective"
+                else None
+            )
+            specs[item.path] = UnitSpec(
+                item.path, module, plain, item.mode, policy, list(enclosing),
+                shapes.get(item.path),
+            )  # fmt: skip
+
+    visit(plan.items, [])
+    return specs
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Install ``plan`` on ``model`` in place and return the model.
+
+    Idempotent: applying the same plan twice changes nothing; applying another
+    plan replaces the first. Refuses a plan made for a different model
+    (structure fingerprint) before touching anything.
+
+    Example:
+        >>> plan = gradckpt.Plan.load("plan.json")
+        >>> gradckpt.apply(model, plan)
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply needs a gradckpt.Plan, got {type(plan).__name__}")
+    fingerprint = model_fingerprint(model)
+    if fingerprint != plan.fingerprint:
+        raise PlanMismatchError(
+            f"this plan was made for another model (fingerprint {plan.fingerprint}, this model "
+            f"has {fingerprint}: different modules, parameter shapes or dtypes). Plan this "
+            "model with gradckpt.plan(model, loss_fn, budget)."
+        )
+    current = _INSTALLED.get(model)
+    if current is not None:
+        if current.plan == plan:
+            return model
+        remove(model)
+    specs = _specs(model, plan)  # validates everything before the model is touched
+    installed = _Installed(plan, [])
+    try:
+        for spec in specs.values():
+            module = spec.module
+            had_own = "forward" in module.__dict__
+            installed.modules.append((module, had_own, module.__dict__.get("forward")))
+            module.forward = make_wrapper(spec, specs)
+    except BaseException:
+        _restore(installed)
+        raise
+    _INSTALLED[model] = installed
+    return model
+
+
+def _restore(installed: _Installed) -> None:
+    for module, had_own, previous in reversed(installed.modules):
+        if had_own:
+            module.forward = previous
+        else:
+            module.__dict__.pop("forward", None)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: the model runs exactly as before it was applied.
+
+    Example:
+        >>> gradckpt.remove(model)
+    """
+    installed = _INSTALLED.pop(model, None)
+    if installed is not None:
+        _restore(installed)
+    return model

@@ -1,0 +1,218 @@
+"""The forward wrappers ``apply`` installs on a model's units.
+
+Each planned unit gets an instance-level ``forward`` that decides, at call
+time, how the unit runs:
+
+* inside the forward of a region, plainly (the region recomputes it);
+* as the first unit of a segment that belongs to the current level, by opening
+  that segment's region (it stays open across the next units' calls, and the
+  segment's last unit closes it);
+* otherwise by its own choice: plainly (``keep``) or in its own region
+  (``recompute``/``selective``).
+
+"The current level" is what the engine is doing: nothing (top level) or
+recomputing a segment. A segment's recompute calls its units' wrappers again,
+so the segments and regions nested in it open during that recompute, which is
+the schedule the planner's dynamic program chose.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradckpt.engine.checkpoint import run_checkpointed
+from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
+from gradckpt.engine.frame import CheckpointError, Frame, active_frame
+
+__all__ = ["SegmentSpec", "UnitSpec", "make_wrapper", "plan_policy"]
+
+
+def plan_policy(
+    path: str, save: tuple[int, ...], names: tuple[str, ...]
+) -> Callable[..., Decision]:
+    """Keep the ops at positions ``save``; warn (and recompute) if an op there is not the planned one."""
+    expected = dict(zip(save, names))
+    warned: list[bool] = []
+
+    def policy(ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        name = expected.get(ctx.index)
+        if name is None:
+            return RECOMPUTE
+        if str(op) == name:
+            return SAVE
+        if not warned:
+            warned.append(True)
+            warnings.warn(
+                f"gradckpt: op #{ctx.index} of {path} is {op}, but the plan expected {name}; "
+                "it is recomputed instead of kept. Was the model or its inputs changed "
+                "since planning? Plan again to get the predicted memory.",
+                stacklevel=2,
+            )
+        return RECOMPUTE
+
+    policy.__name__ = f"plan_policy({path})"
+    return policy
+
+
+@dataclass(eq=False)
+class SegmentSpec:
+    """A planned segment: its units in order and its enclosing segment."""
+
+    paths: tuple[str, ...]
+    parent: SegmentSpec | None = None
+
+    @property
+    def name(self) -> str:
+        return f"segment[{self.paths[0]}..{self.paths[-1]}]"
+
+
+@dataclass(eq=False)
+class UnitSpec:
+    """What a unit's wrapper needs: its choice and the segments enclosing it."""
+
+    path: str
+    module: nn.Module
+    plain: Callable[..., Any]
+    mode: str = "keep"
+    policy: Callable[..., Any] | None = None
+    segments: list[SegmentSpec] = field(default_factory=list)  # outermost first
+    expected_shape: tuple[int, ...] | None = None
+
+
+class _SegmentFrame(Frame):
+    """A segment's region: records each unit call so its recompute can replay them."""
+
+    def __init__(self, spec: SegmentSpec, units: dict[str, UnitSpec]) -> None:
+        super().__init__(None, name=spec.name)
+        self.segment = spec
+        self.units = units
+        self.calls: list[tuple[list[Any], Any, int]] = []  # flat args, spec, chain position
+        self._last_output: weakref.ref | None = None
+
+    def record(self, spec_path: str, flat: list[Any], tree: Any) -> None:
+        # Keep what the replay needs but no activation made inside the segment:
+        # the first call's tensors are the frame's saved inputs, and each later
+        # call's chain input is the previous unit's replayed output.
+        if not self.calls:
+            self.calls.append(([None] * len(flat), tree, -1))
+            return
+        last = self._last_output() if self._last_output is not None else None
+        for i, x in enumerate(flat):
+            if last is not None and x is last:
+                kept = list(flat)
+                kept[i] = None
+                self.calls.append((kept, tree, i))
+                return
+        raise CheckpointError(
+            f"gradckpt: {spec_path} did not receive the output of the unit before it, so "
+            f"{self.segment.name} cannot be recomputed as one region. The plan was made for "
+            "a forward that chains these units; plan the model again."
+        )
+
+    def note_output(self, out: Any) -> None:
+        flat, _ = tree_flatten(out)
+        first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
+        self._last_output = weakref.ref(first) if first is not None else None
+
+    def run_body(self, inputs: list[Any]) -> None:
+        previous = None
+        for path, (flat, tree, chain_at) in zip(self.segment.paths, self.calls):
+            args = list(inputs) if chain_at < 0 else list(flat)
+            if chain_at >= 0:
+                args[chain_at] = previous
+            call_args, call_kwargs = tree_unflatten(args, tree)
+            out = self.units[path].module.forward(*call_args, **call_kwargs)
+            flat_out, _ = tree_flatten(out)
+            previous = next((x for x in flat_out if isinstance(x, torch.Tensor)), None)
+
+
+def _open_segment(top: tuple[Frame, int | None] | None) -> _SegmentFrame | None:
+    if top is not None and top[1] is None and isinstance(top[0], _SegmentFrame):
+        return top[0]
+    return None
+
+
+def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., Any]:
+    """The ``forward`` installed on ``unit.module``."""
+    shape_checked: list[bool] = []
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return unit.plain(*args, **kwargs)
+        top = active_frame()
+        if top is not None and top[1] is None:
+            # Inside some region's forward: run plainly; close our segment at its end.
+            segment = _open_segment(top)
+            if segment is not None:
+                flat, tree = tree_flatten((args, kwargs))
+                segment.record(unit.path, flat, tree)
+            try:
+                out = unit.plain(*args, **kwargs)
+            except BaseException as exc:
+                if segment is not None:
+                    segment.end(exc)
+                raise
+            if segment is not None:
+                segment.note_output(out)
+                if segment.segment.paths[-1] == unit.path:
+                    segment.end()
+            return out
+        if not shape_checked:
+            shape_checked.append(True)
+            _check_shape(unit, args, kwargs)
+        context = getattr(top[0], "segment", None) if top is not None else None
+        chain = unit.segments
+        level = chain.index(context) + 1 if context in chain else 0
+        if level < len(chain):
+            spec = chain[level]
+            if spec.paths[0] != unit.path:
+                raise CheckpointError(
+                    f"gradckpt: {unit.path} ran before the first unit of {spec.name}; the "
+                    "forward does not call the units in the planned order. Plan again."
+                )
+            return _run_segment_start(spec, unit, units, args, kwargs)
+        if unit.mode == "keep":
+            return unit.plain(*args, **kwargs)
+        return run_checkpointed(unit.plain, args, kwargs, policy=unit.policy, name=unit.path)
+
+    forward.__gradckpt_original__ = unit.plain  # type: ignore[attr-defined]
+    return forward
+
+
+def _run_segment_start(
+    spec: SegmentSpec, unit: UnitSpec, units: dict[str, UnitSpec], args: tuple, kwargs: dict
+) -> Any:
+    frame = _SegmentFrame(spec, units)
+    flat, tree = tree_flatten((args, kwargs))
+    frame.save_inputs(flat)
+    frame.begin()
+    frame.record(unit.path, flat, tree)
+    try:
+        out = unit.plain(*args, **kwargs)
+    except BaseException as exc:
+        frame.end(exc)
+        raise
+    frame.note_output(out)
+    return out
+
+
+def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
+    if unit.expected_shape is None:
+        return
+    flat, _ = tree_flatten((args, kwargs))
+    first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
+    if first is not None and tuple(first.shape) != unit.expected_shape:
+        warnings.warn(
+            f"gradckpt: {unit.path} was planned for inputs of shape {unit.expected_shape} but "
+            f"got {tuple(first.shape)}; the plan still runs correctly, but its predicted peak "
+            "and overhead are for the planned shape. Plan again for this shape.",
+            stacklevel=3,
+        )

@@ -1,0 +1,28 @@
+"""Layer 3: measurement — live-storage memory, FLOP and op counts, timing.
+
+Example:
+    >>> from gradckpt.measure import MemoryTracker
+    >>> with MemoryTracker(model) as mt:
+    ...     loss_fn().backward()
+    >>> mt.peak_bytes, mt.breakdown
+"""
+
+from gradckpt.measure.flops import FlopCount, count_flops, count_ops
+from gradckpt.measure.memory import MemoryTracker, format_bytes, state_bytes
+from gradckpt.measure.storages import StorageWatcher, storage_key
+from gradckpt.measure.timing import Timing, ratio, time_fn, time_interleaved
+
+__all__ = [
+    "FlopCount",
+    "MemoryTracker",
+    "StorageWatcher",
+    "Timing",
+    "count_flops",
+    "count_ops",
+    "format_bytes",
+    "ratio",
+    "state_bytes",
+    "storage_key",
+    "time_fn",
+    "time_interleaved",
+]

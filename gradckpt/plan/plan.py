@@ -1,0 +1,167 @@
+"""The ``Plan``: what to keep and what to recompute, as versioned data.
+
+A plan lists every plannable unit of the model once, in forward order, each
+with a mode:
+
+* ``keep``: run plainly, autograd keeps what it needs;
+* ``recompute``: a checkpointed region (keeps its inputs only);
+* ``selective``: a region that also keeps the outputs of the ops at positions
+  ``save`` (their names in ``save_ops``, checked when applied).
+
+A :class:`Segment` groups consecutive units into one region that keeps only
+its first input; its ``items`` say how each unit runs while the segment is
+recomputed in backward (a unit there may be a region again, or a sub-segment),
+which is how budgets below checkpoint-every-block are reached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = ["PLAN_VERSION", "Item", "Plan", "Segment", "UnitChoice", "iter_units"]
+
+PLAN_VERSION = 1
+MODES = ("keep", "recompute", "selective")
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """How one unit runs."""
+
+    path: str
+    mode: str = "keep"
+    save: tuple[int, ...] = ()
+    save_ops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unit mode must be one of {MODES}, got {self.mode!r}")
+        if len(self.save) != len(self.save_ops):
+            raise ValueError("save and save_ops must have the same length")
+        if self.save and self.mode != "selective":
+            raise ValueError(f"only selective units keep op outputs ({self.path})")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive units checkpointed as one region; ``items`` run in its recompute."""
+
+    items: tuple[Item, ...]
+
+    def __post_init__(self) -> None:
+        if len(list(iter_units(self.items))) < 2:
+            raise ValueError("a segment spans at least two units")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(u.path for u in iter_units(self.items))
+
+
+Item = Union[UnitChoice, Segment]  # noqa: UP007 - a runtime alias used in isinstance-free code
+
+
+def iter_units(items: tuple[Item, ...]) -> Iterator[UnitChoice]:
+    """Every UnitChoice in ``items``, depth first, in forward order."""
+    for item in items:
+        if isinstance(item, Segment):
+            yield from iter_units(item.items)
+        else:
+            yield item
+
+
+def _item_to_json(item: Item) -> dict[str, Any]:
+    if isinstance(item, Segment):
+        return {"segment": [_item_to_json(i) for i in item.items]}
+    data = {"path": item.path, "mode": item.mode}
+    if item.save:
+        data["save"] = list(item.save)
+        data["save_ops"] = list(item.save_ops)
+    return data
+
+
+def _item_from_json(data: dict[str, Any]) -> Item:
+    if "segment" in data:
+        return Segment(tuple(_item_from_json(i) for i in data["segment"]))
+    return UnitChoice(
+        data["path"], data["mode"], tuple(data.get("save", ())), tuple(data.get("save_ops", ()))
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan for one model and input shape, with its predictions.
+
+    Example:
+        >>> plan = gradckpt.plan(model, loss_fn, budget="800MB")
+        >>> print(plan.summary())
+        >>> plan.save("plan.json"); plan = gradckpt.Plan.load("plan.json")
+    """
+
+    items: tuple[Item, ...]
+    fingerprint: str
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int = 0
+    baseline_peak_bytes: int = 0
+    predicted_step_time: float = 0.0
+    baseline_step_time: float = 0.0
+    predicted_recompute_flops: int = 0
+    solver: str = ""
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    version: int = field(default=PLAN_VERSION)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted extra step time as a fraction of the plain step (0.1 = 10% slower)."""
+        if self.baseline_step_time <= 0:
+            return 0.0
+        return self.predicted_step_time / self.baseline_step_time - 1.0
+
+    @property
+    def units(self) -> tuple[UnitChoice, ...]:
+        return tuple(iter_units(self.items))
+
+    def with_predictions(self, **values: Any) -> Plan:
+        return replace(self, **values)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["items"] = [_item_to_json(i) for i in self.items]
+        data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
+        return {"kind": "gradckpt.Plan", **data}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        if data.get("kind") != "gradckpt.Plan":
+            raise ValueError("not a gradckpt plan (the JSON lacks kind: gradckpt.Plan)")
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {data.get('version')} is not supported (this gradckpt reads "
+                f"version {PLAN_VERSION}); plan the model again"
+            )
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        fields["items"] = tuple(_item_from_json(i) for i in data["items"])
+        fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data["input_shapes"])
+        return cls(**fields)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save`."""
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    # --------------------------------------------------------------- display
+
+    def summary(self) -> str:
+        """A table: per unit its decision; then budget, predicted peak and overhead."""
+        from gradckpt.plan.report import plan_summary
+
+        return plan_summary(self)

@@ -1,0 +1,224 @@
+"""Solvers: ``(profile, budget_bytes) -> Plan``, all judged by the same simulator.
+
+``dp`` is the reference (the chain dynamic program of :mod:`gradckpt.plan.dp`).
+The baselines are the schemes frameworks make users pick by hand: ``none``,
+``every_block``, ``every_kth`` (the largest k that fits), ``sqrt`` (Chen et
+al.'s sqrt(N) segments) and ``save_matmuls`` (selective checkpointing of every
+block). Each returns a plan with its predictions filled in, or raises
+:class:`BudgetError` when its scheme does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from gradckpt.measure.memory import format_bytes
+from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
+from gradckpt.plan.dp import ChainDP, Tree
+from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
+from gradckpt.plan.simulate import Prediction, simulate
+from gradckpt.profile.records import Profile, UnitRecord
+
+__all__ = ["SOLVERS", "Solver", "finish", "least_peak_plan", "solve", "solve_dp"]
+
+Solver = Callable[[Profile, int], Plan]
+# How far below the budget the DP is asked again when its first plan, checked on
+# the simulator, lands just over (its model is exact for uniform plans only).
+_RETRY_SHARES = (-0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+
+def finish(
+    profile: Profile, plan: Plan, budget: int | None, solver: str
+) -> tuple[Plan, Prediction]:
+    """Fill in a plan's predictions from the simulator."""
+    pred = simulate(profile, plan)
+    return (
+        replace(
+            plan,
+            budget_bytes=budget,
+            predicted_peak_bytes=pred.peak_bytes,
+            baseline_peak_bytes=profile.measured_peak_bytes,
+            predicted_step_time=pred.step_time,
+            baseline_step_time=profile.step_time,
+            predicted_recompute_flops=pred.recompute_flops,
+            solver=solver,
+            input_shapes=profile.input_shapes,
+        ),
+        pred,
+    )
+
+
+def _plannable(profile: Profile) -> tuple[UnitRecord, ...]:
+    return tuple(u for u in profile.units if u.plannable)
+
+
+def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
+    items: list[Item] = []
+    for node in tree:
+        if node[0] == "unit":
+            _, stage, option = node
+            items.append(model.options[stage][option].choice(model.units[stage].path))
+        else:
+            items.append(Segment(_items(model, node[1])))
+    return tuple(items)
+
+
+def _where(profile: Profile, position: int) -> str:
+    ops = profile.ops
+    index = next((op.index for op in ops if op.position >= position), len(ops) - 1)
+    op = ops[min(index, len(ops) - 1)]
+    phase = "backward" if op.backward else "forward"
+    unit = profile.units[op.unit].path if op.unit >= 0 else "code outside the planned units"
+    return f"the {phase} of {unit}"
+
+
+def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[Plan, Prediction]:
+    """The DP's plan at its least feasible budget, with predictions."""
+    m = dp.least_feasible()
+    if m is None:
+        raise BudgetError("no schedule of this model fits even its plain peak (internal)")
+    plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+    return finish(profile, plan, None, "dp")
+
+
+def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
+             dp: ChainDP | None = None) -> Plan:  # fmt: skip
+    """The least-recompute plan whose simulated peak fits ``budget`` bytes.
+
+    Example:
+        >>> plan = solve_dp(prof, 600 << 20)
+    """
+    model = model or build_chain(profile)
+    dp = dp or ChainDP(model.chain)
+    top = model.to_units(budget)
+    least = dp.least_feasible()
+    tried: set[tuple] = set()
+    if least is not None and top >= 0:
+        capacity = model.chain.capacity
+        for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
+            m = min(max(m, least), capacity)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+            if plan.items in tried:
+                continue
+            tried.add(plan.items)
+            plan, pred = finish(profile, plan, budget, "dp")
+            if pred.peak_bytes <= budget:
+                return plan
+    _, pred = least_peak_plan(profile, model, dp)
+    raise BudgetError(
+        f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
+        f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
+        f"are {format_bytes(profile.param_bytes)} and the rest (activations, gradients and "
+        f"temporaries) peaks during {_where(profile, pred.peak_position)}. Raise the budget, "
+        "or shrink the batch or sequence length.",
+        least_peak_bytes=pred.peak_bytes,
+    )
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def _uniform(profile: Profile, choose: Callable[[UnitRecord, int], UnitChoice]) -> Plan:
+    blocks = [u for u in _plannable(profile) if u.is_block]
+    order = {u.index: i for i, u in enumerate(blocks)}
+    items = tuple(
+        choose(u, order[u.index]) if u.is_block else UnitChoice(u.path) for u in _plannable(profile)
+    )
+    return Plan(items, profile.fingerprint)
+
+
+def _fit(profile: Profile, plan: Plan, budget: int, name: str) -> Plan:
+    plan, pred = finish(profile, plan, budget, name)
+    if pred.peak_bytes > budget:
+        raise BudgetError(
+            f"the {name} scheme peaks at {format_bytes(pred.peak_bytes)}, over the budget of "
+            f"{format_bytes(budget)}",
+            least_peak_bytes=pred.peak_bytes,
+        )
+    return plan
+
+
+def none_plan(profile: Profile) -> Plan:
+    return Plan(tuple(UnitChoice(u.path) for u in _plannable(profile)), profile.fingerprint)
+
+
+def every_kth_plan(profile: Profile, k: int) -> Plan:
+    return _uniform(profile, lambda u, i: UnitChoice(u.path, "recompute" if i % k == 0 else "keep"))
+
+
+def save_matmuls_plan(profile: Profile) -> Plan:
+    def choose(u: UnitRecord, i: int) -> UnitChoice:
+        ops = [
+            op for op in profile.unit_ops(u)
+            if op.name in _MATMUL_NAMES and op.outputs
+            and not any(profile.storages[s].mutated for s in op.outputs)
+        ]  # fmt: skip
+        if not ops:
+            return UnitChoice(u.path, "recompute")
+        return UnitChoice(
+            u.path, "selective", tuple(op.local for op in ops), tuple(op.name for op in ops)
+        )
+
+    return _uniform(profile, choose)
+
+
+def sqrt_plan(profile: Profile) -> Plan:
+    """Chen et al.: segments of about sqrt(N) chained blocks that keep only their input."""
+    units = _plannable(profile)
+    blocks = [u for u in units if u.is_block]
+    size = max(2, round(math.sqrt(len(blocks))))
+    items: list[Item] = []
+    run: list[UnitRecord] = []
+
+    def flush() -> None:
+        while run:
+            part, run[:] = run[:size], run[size:]
+            if len(part) >= 2:
+                items.append(Segment(tuple(UnitChoice(u.path) for u in part)))
+            else:
+                items.append(UnitChoice(part[0].path, "recompute"))
+
+    for u in units:
+        joins = run and u.is_block and u.chained and run[-1].index == u.index - 1
+        if u.is_block and (joins or not run):
+            run.append(u)
+            continue
+        flush()
+        if u.is_block:
+            run.append(u)
+        else:
+            items.append(UnitChoice(u.path))
+    flush()
+    return Plan(tuple(items), profile.fingerprint)
+
+
+def _every_kth(profile: Profile, budget: int) -> Plan:
+    blocks = [u for u in _plannable(profile) if u.is_block]
+    for k in range(max(1, len(blocks)), 0, -1):
+        try:
+            return _fit(profile, every_kth_plan(profile, k), budget, f"every_kth(k={k})")
+        except BudgetError:
+            continue
+    raise BudgetError(f"checkpointing every k-th block does not fit {format_bytes(budget)}")
+
+
+SOLVERS: dict[str, Solver] = {
+    "dp": solve_dp,
+    "none": lambda p, b: _fit(p, none_plan(p), b, "none"),
+    "every_block": lambda p, b: _fit(p, every_kth_plan(p, 1), b, "every_block"),
+    "every_kth": _every_kth,
+    "sqrt": lambda p, b: _fit(p, sqrt_plan(p), b, "sqrt"),
+    "save_matmuls": lambda p, b: _fit(p, save_matmuls_plan(p), b, "save_matmuls"),
+}
+
+
+def solve(profile: Profile, budget: int, solver: str | Solver = "dp") -> Plan:
+    """Run a solver by name (see ``SOLVERS``) or a solver callable."""
+    if callable(solver):
+        return solver(profile, budget)
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    return SOLVERS[solver](profile, budget)

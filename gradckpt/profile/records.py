@@ -1,0 +1,176 @@
+"""The ``Profile``: one measured training step, as plain data.
+
+Time in a profile is a *position* on the event line of the plain step: every
+counted op, storage free, save, unpack and release of a saved tensor gets the
+next even number. Odd numbers fall between events (a storage freed "after op
+k" in the forward-only pass is placed just before op k+1). The simulator
+predicts a plan's memory by moving allocations and frees on this line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
+
+PROFILE_VERSION = 1
+#: Position of "not within the step" (alive at the end, never unpacked, ...).
+NEVER = 1 << 60
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One ATen op of the step.
+
+    ``unit`` is the unit whose region the op runs in (forward) or whose
+    autograd node runs it (backward); -1 outside every unit. ``local`` is the
+    op's position inside its unit's region: what a policy sees as ``ctx.index``.
+    """
+
+    index: int
+    name: str
+    backward: bool
+    unit: int
+    local: int
+    time: float
+    flops: int
+    outputs: tuple[int, ...]
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRecord:
+    """One storage created during the step.
+
+    ``natural_free`` is where the forward would free it if autograd kept
+    nothing (NEVER when it outlives the forward, or was made in backward).
+    ``mutated``: written in place after it was made (unsafe to keep for replay).
+    """
+
+    id: int
+    nbytes: int
+    producer: int
+    alloc: int
+    free: int
+    natural_free: int
+    mutated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PackRecord:
+    """One tensor autograd saved for backward during the forward."""
+
+    id: int
+    storage: int  # -1: not created in the step (a parameter, an input)
+    unit: int
+    ops_done: int  # forward ops completed when it was saved
+    position: int
+    unpack: int
+    release: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitRecord:
+    """A module whose forward can be made a checkpointed region.
+
+    ``chained``: its chain input is exactly the previous unit's output, with no
+    op in between, so the two can share one multi-unit region.
+    """
+
+    index: int
+    path: str
+    cls: str
+    is_block: bool
+    calls: int
+    first_op: int
+    end_op: int
+    inputs: tuple[int, ...]
+    chain_input: int  # storage id of the chain input, -1 if none
+    chain_arg: int  # flat position of the chain input among the call's arguments
+    chain_output: int  # flat position of the tensor handed to the next unit
+    output: int  # storage id of that tensor, -1 if not created here
+    chained: bool
+    fwd_time: float
+    bwd_time: float
+
+    @property
+    def plannable(self) -> bool:
+        return self.calls == 1 and self.end_op > self.first_op
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured (or, with ``fake=True``, estimated) training step.
+
+    Example:
+        >>> prof = gradckpt.profile(model, loss_fn)
+        >>> prof.plain_peak_bytes, len(prof.units)
+    """
+
+    ops: tuple[OpRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    packs: tuple[PackRecord, ...]
+    units: tuple[UnitRecord, ...]
+    forward_ops: int
+    end: int
+    param_bytes: int
+    step_time: float
+    measured_peak_bytes: int
+    fingerprint: str
+    fake: bool = False
+    device: str = "cpu"
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    version: int = field(default=PROFILE_VERSION)
+
+    @property
+    def blocks(self) -> tuple[UnitRecord, ...]:
+        return tuple(u for u in self.units if u.is_block)
+
+    @property
+    def forward_time(self) -> float:
+        return sum(op.time for op in self.ops[: self.forward_ops])
+
+    def unit_ops(self, unit: UnitRecord) -> tuple[OpRecord, ...]:
+        """The forward ops of ``unit``'s region, in order."""
+        return self.ops[unit.first_op : unit.end_op]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = "gradckpt.Profile"
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        if data.get("kind") != "gradckpt.Profile":
+            raise ValueError("not a gradckpt profile (missing kind: gradckpt.Profile)")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(
+                f"profile version {data.get('version')} is not supported "
+                f"(this gradckpt reads version {PROFILE_VERSION}); profile the model again"
+            )
+        return cls(
+            ops=tuple(OpRecord(**{**o, "outputs": tuple(o["outputs"])}) for o in data["ops"]),
+            storages=tuple(StorageRecord(**s) for s in data["storages"]),
+            packs=tuple(PackRecord(**p) for p in data["packs"]),
+            units=tuple(UnitRecord(**{**u, "inputs": tuple(u["inputs"])}) for u in data["units"]),
+            forward_ops=data["forward_ops"],
+            end=data["end"],
+            param_bytes=data["param_bytes"],
+            step_time=data["step_time"],
+            measured_peak_bytes=data["measured_peak_bytes"],
+            fingerprint=data["fingerprint"],
+            fake=data["fake"],
+            device=data["device"],
+            input_shapes=tuple((n, tuple(s)) for n, s in data["input_shapes"]),
+            version=data["version"],
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))

@@ -1,0 +1,292 @@
+"""``profile(model, loss_fn)``: measure one training step and leave the model as found.
+
+Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
+
+* one *forward-only* pass that drops every saved tensor on the spot: it tells
+  when each storage would die if autograd kept nothing (inside a checkpointed
+  region nothing is kept);
+* ``repeats`` *plain* passes (forward and backward) that give the event line,
+  what autograd saves and releases, per-op times (median over the passes) and
+  the measured peak.
+
+Before each pass the RNG, buffers and gradients are reset to what they were on
+entry, and they are restored exactly at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradckpt.measure.memory import state_bytes
+from gradckpt.profile.fingerprint import model_fingerprint
+from gradckpt.profile.recorder import RecordMode, StepRecorder
+from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
+from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
+
+__all__ = ["ProfileError", "profile"]
+
+
+class ProfileError(RuntimeError):
+    """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
+
+
+class _StateGuard:
+    """Snapshot of gradients, buffers and RNG; reset before each pass, restored at the end."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.grads = [p.grad for p in self.params]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+
+    def reset(self) -> None:
+        for p in self.params:
+            p.grad = None
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def restore(self) -> None:
+        self.reset()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
+    """Wrap each unit's forward (where gradckpt.apply puts regions) to note its calls."""
+    installed: list[tuple[nn.Module, Any, bool]] = []
+
+    def marker(index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def forward_marked(*args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            call = recorder.enter_unit(index, args, kwargs)
+            out = forward(*args, **kwargs)
+            recorder.exit_unit(call, out)
+            return out
+
+        return forward_marked
+
+    try:
+        for index, unit in enumerate(units):
+            module = unit.module
+            had_own = "forward" in module.__dict__
+            previous = module.__dict__.get("forward")
+            plain = getattr(module.forward, "__gradckpt_original__", module.forward)
+            module.forward = marker(index, plain)
+            installed.append((module, previous, had_own))
+        yield
+    finally:
+        for module, previous, had_own in installed:
+            if had_own:
+                module.forward = previous
+            else:
+                del module.forward
+
+
+def _run_pass(
+    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool
+) -> StepRecorder:
+    recorder = StepRecorder(units, keep_saved=plain)
+    hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
+    with _unit_markers(units, recorder), hooks, RecordMode(recorder):
+        recorder.active = True
+        loss = loss_fn()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ProfileError(
+                "loss_fn must run one forward and return a scalar loss tensor that requires "
+                f"grad; it returned {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        recorder.forward = False
+        if plain:
+            loss.backward()
+        del loss
+        recorder.active = False
+    recorder.watcher.close()
+    return recorder
+
+
+def _time_plain_step(
+    loss_fn: Callable[[], torch.Tensor], guard: _StateGuard, repeats: int
+) -> float:
+    times = []
+    for _ in range(repeats):
+        guard.reset()
+        start = time.perf_counter()
+        loss_fn().backward()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]:
+    """Position on the plain pass's line where each storage would die if nothing were kept."""
+    n_fwd = plain.forward_ops
+    if [op[1] for op in forward_only.ops[: forward_only.forward_ops]] != [
+        op[1] for op in plain.ops[:n_fwd]
+    ]:
+        raise ProfileError(
+            "the forward ran different ops on two runs with the same RNG state and buffers; "
+            "gradckpt needs a deterministic op sequence (data-dependent control flow on "
+            "global state is not supported)"
+        )
+    died: dict[tuple[int, int], int] = {}
+    for op in forward_only.ops:
+        for ordinal, sid in enumerate(op[7]):
+            died[(op[0], ordinal)] = forward_only.storages[sid].free_ops_done
+    natural = [NEVER] * len(plain.storages)
+    for op in plain.ops[:n_fwd]:
+        for ordinal, sid in enumerate(op[7]):
+            done = died.get((op[0], ordinal), -1)
+            if 0 <= done < n_fwd:
+                natural[sid] = plain.ops[done][8] - 1
+            elif done == n_fwd:
+                natural[sid] = plain.ops[n_fwd - 1][8] + 1
+    return natural
+
+
+def _units(recorder: StepRecorder, units: list[Unit], ops: list[OpRecord]) -> tuple:
+    first_calls: dict[int, Any] = {}
+    counts: dict[int, int] = {}
+    for call in recorder.calls:
+        counts[call.unit] = counts.get(call.unit, 0) + 1
+        first_calls.setdefault(call.unit, call)
+    order = sorted(first_calls, key=lambda u: first_calls[u].first_op)
+    renumber = {old: new for new, old in enumerate(order)}
+    fwd_time: dict[int, float] = {}
+    bwd_time: dict[int, float] = {}
+    for op in ops:
+        if op.unit >= 0:
+            table = bwd_time if op.backward else fwd_time
+            table[op.unit] = table.get(op.unit, 0.0) + op.time
+    records = []
+    previous = None
+    for new, old in enumerate(order):
+        call = first_calls[old]
+        chained = call.chained and previous is not None and previous.end_op == call.first_op
+        records.append(
+            UnitRecord(
+                index=new, path=units[old].path, cls=type(units[old].module).__name__,
+                is_block=units[old].is_block, calls=counts[old], first_op=call.first_op,
+                end_op=call.end_op, inputs=call.inputs, chain_input=call.chain_input,
+                chain_arg=call.chain_arg, chain_output=call.chain_output, output=call.output,
+                chained=chained, fwd_time=fwd_time.get(old, 0.0), bwd_time=bwd_time.get(old, 0.0),
+            )
+        )  # fmt: skip
+        previous = call
+    return tuple(records), renumber
+
+
+def profile(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    *,
+    blocks: BlockSpec = None,
+    repeats: int = 3,
+) -> Profile:
+    """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
+
+    Args:
+        model: the model (left exactly as found: weights, grads, buffers, RNG).
+        loss_fn: zero-argument callable running one forward, returning the scalar loss.
+        blocks: module paths or a predicate ``(path, module) -> bool`` naming the
+            repeated blocks; discovered automatically when None.
+        repeats: plain passes to take per-op median times from.
+
+    Example:
+        >>> prof = gradckpt.profile(model, lambda: model(x).pow(2).mean())
+        >>> prof.measured_peak_bytes
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be a zero-argument callable returning the loss")
+    units = find_units(model, find_blocks(model, blocks))
+    guard = _StateGuard(model)
+    try:
+        guard.reset()
+        forward_only = _run_pass(units, loss_fn, plain=False)
+        passes = []
+        for _ in range(max(1, repeats)):
+            guard.reset()
+            passes.append(_run_pass(units, loss_fn, plain=True))
+        step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
+    finally:
+        guard.restore()
+    return _assemble(model, units, forward_only, passes, step_time)
+
+
+def _assemble(
+    model: nn.Module,
+    units: list[Unit],
+    forward_only: StepRecorder,
+    passes: list[StepRecorder],
+    step_time: float,
+) -> Profile:
+    main = passes[0]
+    natural = _natural_frees(forward_only, main)
+    names = [op[1] for op in main.ops]
+    same = [p for p in passes if [op[1] for op in p.ops] == names]
+    times = [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+    provisional = [
+        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
+        for op in main.ops
+    ]
+    unit_records, renumber = _units(main, units, provisional)
+    ops = tuple(
+        OpRecord(o.index, o.name, o.backward, renumber.get(o.unit, -1), o.local, o.time,
+                 o.flops, o.outputs, o.position)
+        for o in provisional
+    )  # fmt: skip
+    storages = tuple(
+        StorageRecord(i, s.nbytes, s.producer, s.alloc, s.free, natural[i], s.mutated)
+        for i, s in enumerate(main.storages)
+    )
+    packs = tuple(
+        PackRecord(i, p.storage, renumber.get(p.unit, -1), p.ops_done, p.position, p.unpack,
+                   p.release)
+        for i, p in enumerate(main.packs)
+    )  # fmt: skip
+    param_bytes = state_bytes(model)
+    first_calls = {}
+    for call in main.calls:
+        first_calls.setdefault(units[call.unit].path, call.input_shape)
+    shapes = tuple((u.path, first_calls[u.path]) for u in unit_records)
+    return Profile(
+        ops=ops,
+        storages=storages,
+        packs=packs,
+        units=unit_records,
+        forward_ops=main.forward_ops,
+        end=main.position + 2,
+        param_bytes=param_bytes,
+        step_time=step_time,
+        measured_peak_bytes=param_bytes + main.watcher.peak_bytes,
+        fingerprint=model_fingerprint(model),
+        device=_device_of(model),
+        input_shapes=shapes,
+    )
+
+
+def _device_of(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"

@@ -1,0 +1,73 @@
+"""Shared helpers for the measurement tests: a bare watcher mode and the residual MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradckpt.measure import StorageWatcher
+
+
+class WatchMode(TorchDispatchMode):
+    """Feeds every op's output to a StorageWatcher and logs its callbacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int, int | None]] = []
+        self.watcher = StorageWatcher(
+            on_alloc=lambda key, n: self.log.append(("alloc", key, n)),
+            on_free=lambda key: self.log.append(("free", key, None)),
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.watcher.observe(func, out)
+        return out
+
+
+@pytest.fixture
+def watch() -> Callable[[], WatchMode]:
+    return WatchMode
+
+
+class Block(nn.Module):
+    """Linear(d, h) -> GELU -> Linear(h, d) with a residual connection."""
+
+    def __init__(self, d: int = 256, h: int = 1024) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class ResidualMLP(nn.Module):
+    """``n`` blocks; ``wrap(block, x)`` runs each one (plain call, or a checkpoint)."""
+
+    def __init__(self, n: int = 6, d: int = 256, h: int = 1024) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
+        self.wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda b, x: b(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.wrap(block, x)
+        return x
+
+
+def build_mlp(seed: int = 0, **sizes: Any) -> ResidualMLP:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ResidualMLP(**sizes)
+
+
+@pytest.fixture(scope="session")
+def residual_mlp() -> Callable[..., ResidualMLP]:
+    return build_mlp
