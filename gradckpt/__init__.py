@@ -1,9 +1,20 @@
-"""gradckpt: gradient (activation) checkpointing for PyTorch that plans itself."""
+"""gradckpt: gradient (activation) checkpointing for PyTorch that plans itself.
 
-from gradckpt import policies
+State a memory budget; gradckpt measures the training step, finds the plan with
+the least recompute that fits, applies it in place, and proves it.
+
+Example:
+    >>> plan = gradckpt.fit(model, lambda: model(batch).loss, budget="12GiB")
+    >>> print(plan.summary())
+"""
+
+from gradckpt import measure, plan, policies, profile
+from gradckpt.api import FrontierPoint, fit, frontier
+from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
 from gradckpt.engine import (
     RECOMPUTE,
     SAVE,
+    TAG,
     CheckpointError,
     Decision,
     PolicyContext,
@@ -11,18 +22,38 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
+from gradckpt.plan import Plan, Segment, UnitChoice, simulate
+from gradckpt.plan.budget import BudgetError
+from gradckpt.profile import Profile
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RECOMPUTE",
     "SAVE",
+    "TAG",
+    "BudgetError",
     "CheckpointError",
     "Decision",
+    "FrontierPoint",
+    "Plan",
+    "PlanMismatchError",
     "PolicyContext",
+    "Profile",
+    "Segment",
+    "UnitChoice",
     "__version__",
+    "applied_plan",
+    "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "fit",
+    "frontier",
+    "measure",
+    "plan",
     "policies",
+    "profile",
+    "remove",
+    "simulate",
     "tag",
 ]

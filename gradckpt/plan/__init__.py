@@ -13,3 +13,14 @@ __all__ = [
     "iter_units",
     "simulate",
 ]
+
+
+def _plan_verb():
+    from gradckpt.api import plan
+
+    return plan
+
+
+from gradckpt._callable import make_callable  # noqa: E402
+
+make_callable(__name__, _plan_verb)

@@ -165,6 +165,26 @@ def _windows(profile: Profile, units: tuple[UnitRecord, ...]) -> tuple[list, lis
     return fwd, bwd
 
 
+def _calibration_runs(
+    units: tuple[UnitRecord, ...], options: list[list[StageOption]]
+) -> list[list[int]]:
+    """Option index per stage for each calibration simulation.
+
+    All keep; then each block option with the other units kept (the plans people
+    use: blocks checkpointed, embeddings and head kept); then the other units
+    recomputed with the blocks kept.
+    """
+    runs = [[0] * len(units)]
+    width = max((len(o) for u, o in zip(units, options) if u.is_block), default=0)
+    for k in range(1, width):
+        runs.append([k if u.is_block and k < len(o) else 0 for u, o in zip(units, options)])
+    if not all(u.is_block for u in units):
+        runs.append([0 if u.is_block else 1 for u in units])
+    if width < 2:  # no blocks: their recompute option still needs calibrating
+        runs.append([1] * len(units))
+    return runs
+
+
 def _window_levels(positions: list[int], lives: list[int], window) -> tuple[int, int]:
     """(live bytes entering the window, peak inside it)."""
     start, stop = window
@@ -202,28 +222,25 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
 
     kept = [[_kept_bytes(profile, u, o) for o in opts] for u, opts in zip(units, stage_options)]
     fwd_windows, bwd_windows = _windows(profile, units)
-    width = max(len(o) for o in stage_options)
     fwd_need = [[0] * len(o) for o in stage_options]
     bwd_need = [[0] * len(o) for o in stage_options]
     bstart_background = [0] * len(units)
-    for k in range(width):
-        index = [k if k < len(o) else 0 for o in stage_options]
+    for index in _calibration_runs(units, stage_options):
         plan = Plan(
-            tuple(stage_options[i][index[i]].choice(u.path) for i, u in enumerate(units)),
+            tuple(stage_options[i][k].choice(u.path) for i, (u, k) in enumerate(zip(units, index))),
             profile.fingerprint,
         )
         positions, lives, _ = live_trace(profile, plan)
         held = 0
-        for i in range(len(units)):
+        for i, k in enumerate(index):
             held += inputs[i]
             _, peak_f = _window_levels(positions, lives, fwd_windows[i])
             enter_b, peak_b = _window_levels(positions, lives, bwd_windows[i])
-            if index[i] == k:
-                fwd_need[i][k] = peak_f - held
-                bwd_need[i][k] = peak_b - held
-            if k == 0:
+            fwd_need[i][k] = peak_f - held
+            bwd_need[i][k] = peak_b - held
+            if not any(index):
                 bstart_background[i] = enter_b - held - kept[i][0]
-            held += kept[i][index[i]]
+            held += kept[i][k]
     stages = []
     for i, u in enumerate(units):
         opts = []
@@ -257,7 +274,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
             )
         )
     return ChainModel(
-        chain=Chain(tuple(stages), capacity=up(span) + 1),
+        # Headroom above the plain peak: the solver asks the DP slightly above the
+        # budget too, since rounding may put the plain schedule a few units over.
+        chain=Chain(tuple(stages), capacity=math.ceil(1.06 * up(span)) + 8),
         units=units,
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,

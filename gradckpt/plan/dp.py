@@ -88,53 +88,73 @@ class ChainDP:
 
     # ----------------------------------------------------------------- tables
 
-    def _shifted(self, ctx: int, a: int, b: int, by: int) -> torch.Tensor:
-        """Opt(ctx, m - by, a, b) as a vector over m (inf where m < by)."""
-        out = torch.full((self.size,), math.inf, dtype=torch.float64)
-        if by < self.size:
-            out[by:] = self.time[ctx, a, b, : self.size - by]
-        return out
-
     def _fill(self) -> None:
         stages = self.chain.stages
-        for length in range(self.n):
-            for a in range(self.n - length):
-                b = a + length
-                for ctx in (NESTED, TOP):
-                    self._cell(ctx, a, b, stages)
+        self._steps = torch.arange(self.size)
+        self._option_arrays = [
+            (
+                torch.tensor([o.kept for o in st.options]),
+                torch.tensor([o.fwd for o in st.options]),
+                torch.tensor([o.fwd_nested for o in st.options]),
+                torch.tensor([o.bwd for o in st.options]),
+                torch.tensor([o.time for o in st.options], dtype=torch.float64),
+            )
+            for st in stages
+        ]
+        self._inputs = torch.tensor([st.input for st in stages])
+        # Only reachable cells: top-level ones always end at the last stage, and
+        # nested ones lie inside a run of stages that may share a segment.
+        run_start = [0] * self.n
+        for i in range(1, self.n):
+            run_start[i] = run_start[i - 1] if stages[i].joins_previous else i
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+        try:
+            for length in range(self.n):
+                for a in range(self.n - length):
+                    if run_start[a + length] <= a:
+                        self._cell(NESTED, a, a + length, stages)
+            for a in range(self.n - 1, -1, -1):
+                self._cell(TOP, a, self.n - 1, stages)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _shift_rows(self, rows: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+        """Row r of the result at m is rows[r][m - shifts[r]] (inf where m < shifts[r])."""
+        index = self._steps[None, :] - shifts[:, None]
+        out = torch.gather(rows, 1, index.clamp(min=0))
+        out[index < 0] = math.inf
+        return out
 
     def _cell(self, ctx: int, a: int, b: int, stages: tuple[Stage, ...]) -> None:
-        best = self.time[ctx, a, b]
-        choice = self.choice[ctx, a, b]
-        stage = stages[a]
-        for index, option in enumerate(stage.options):
-            need = max(option.fwd if ctx == TOP else option.fwd_nested, option.bwd)
-            if a == b:
-                cand = torch.full((self.size,), option.time, dtype=torch.float64)
-            else:
-                cand = self._shifted(ctx, a + 1, b, option.kept + stages[a + 1].input) + option.time
-            cand[: min(need, self.size)] = math.inf
-            self._take(best, choice, cand, index)
-        # Segments a..j-1 with at least two stages and a non-empty rest.
-        need = stage.none if ctx == TOP else stage.none_nested
-        extra_time = stage.fwd_time
-        for j in range(a + 2, b + 1):
-            last = stages[j - 1]
-            if not last.joins_previous:
-                break
-            need = max(need, (last.none if ctx == TOP else last.none_nested) + last.input)
-            extra_time += last.fwd_time
-            cand = (
-                self._shifted(ctx, j, b, stages[j].input) + self.time[NESTED, a, j - 1] + extra_time
-            )
-            cand[: min(need, self.size)] = math.inf
-            self._take(best, choice, cand, _SEGMENT + j)
-
-    @staticmethod
-    def _take(best: torch.Tensor, choice: torch.Tensor, cand: torch.Tensor, code: int) -> None:
-        better = cand < best
-        best[better] = cand[better]
-        choice[better] = code
+        kept, fwd, fwd_nested, bwd, times = self._option_arrays[a]
+        need = torch.maximum(fwd if ctx == TOP else fwd_nested, bwd)
+        if a == b:
+            cands = times[:, None].expand(len(times), self.size).clone()
+        else:
+            rest = self.time[ctx, a + 1, b].expand(len(times), self.size)
+            cands = self._shift_rows(rest, kept + self._inputs[a + 1]) + times[:, None]
+        codes = list(range(len(times)))
+        # Segments a..j-1 (at least two stages, the rest non-empty), all j at once.
+        last = a + 1
+        while last + 1 <= b and stages[last].joins_previous:
+            last += 1
+        if last > a + 1:
+            js = torch.arange(a + 2, last + 1)
+            nones = [st.none if ctx == TOP else st.none_nested for st in stages[a:last]]
+            firsts = [nones[0]] + [nones[i] + stages[a + i].input for i in range(1, len(nones))]
+            seg_need = torch.tensor(firsts).cummax(0).values[1:]
+            extra = torch.tensor([st.fwd_time for st in stages[a:last]], dtype=torch.float64)
+            extra = extra.cumsum(0)[1:]
+            rest = self._shift_rows(self.time[ctx, js, b], self._inputs[js])
+            cands = torch.cat([cands, rest + self.time[NESTED, a, js - 1] + extra[:, None]])
+            need = torch.cat([need, seg_need])
+            codes += [_SEGMENT + int(j) for j in js]
+        cands[self._steps[None, :] < need[:, None]] = math.inf
+        best, which = cands.min(0)
+        self.time[ctx, a, b] = best
+        chosen = torch.tensor(codes, dtype=torch.int32)[which]
+        self.choice[ctx, a, b] = torch.where(torch.isfinite(best), chosen, -1)
 
     # ---------------------------------------------------------------- queries
 

@@ -19,15 +19,17 @@ from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
 from gradckpt.plan.dp import ChainDP, Tree
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
+from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
 from gradckpt.profile.records import Profile, UnitRecord
 
 __all__ = ["SOLVERS", "Solver", "finish", "least_peak_plan", "solve", "solve_dp"]
 
 Solver = Callable[[Profile, int], Plan]
-# How far below the budget the DP is asked again when its first plan, checked on
-# the simulator, lands just over (its model is exact for uniform plans only).
-_RETRY_SHARES = (-0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+# Budgets (as shares off the real one) at which the DP is asked, largest first:
+# its model is exact for uniform plans only, so its answer slightly above the
+# budget may still fit on the simulator, and one slightly below may be needed.
+_RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 
 
 def finish(
@@ -96,6 +98,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     top = model.to_units(budget)
     least = dp.least_feasible()
     tried: set[tuple] = set()
+    lowest: Plan | None = None
     if least is not None and top >= 0:
         capacity = model.chain.capacity
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
@@ -104,10 +107,14 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
             if plan.items in tried:
                 continue
             tried.add(plan.items)
-            plan, pred = finish(profile, plan, budget, "dp")
-            if pred.peak_bytes <= budget:
-                return plan
-    _, pred = least_peak_plan(profile, model, dp)
+            lowest = plan
+            if simulate(profile, plan).peak_bytes <= budget:
+                return finish(profile, polish(profile, plan, budget, model), budget, "dp")[0]
+    # The DP's model is a little off for this plan shape: repair its leanest plan.
+    start, pred = least_peak_plan(profile, model, dp) if lowest is None else (lowest, None)
+    repaired, pred = repair(profile, start, budget, model)
+    if pred.peak_bytes <= budget:
+        return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "

@@ -26,3 +26,7 @@ __all__ = [
     "model_fingerprint",
     "profile",
 ]
+
+from gradckpt._callable import make_callable
+
+make_callable(__name__, lambda: profile)

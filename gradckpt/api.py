@@ -1,0 +1,126 @@
+"""The verbs users call: ``plan``, ``fit``, ``frontier`` (``apply``/``remove`` live in apply/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradckpt.apply.apply import apply
+from gradckpt.plan.budget import parse_budget
+from gradckpt.plan.chain import build_chain
+from gradckpt.plan.dp import ChainDP
+from gradckpt.plan.plan import Plan
+from gradckpt.plan.solvers import Solver, _items, finish, none_plan, solve
+from gradckpt.profile.records import Profile
+from gradckpt.profile.run import profile as profile_step
+from gradckpt.profile.units import BlockSpec
+
+__all__ = ["FrontierPoint", "fit", "frontier", "plan"]
+
+LossFn = Callable[[], torch.Tensor]
+
+
+def _profile(
+    model: nn.Module, loss_fn: LossFn, blocks: BlockSpec, repeats: int, given: Profile | None
+) -> Profile:
+    return (
+        given if given is not None else profile_step(model, loss_fn, blocks=blocks, repeats=repeats)
+    )
+
+
+def plan(
+    model: nn.Module,
+    loss_fn: LossFn,
+    budget: int | float | str,
+    *,
+    blocks: BlockSpec = None,
+    solver: str | Solver = "dp",
+    repeats: int = 3,
+    profile: Profile | None = None,
+) -> Plan:
+    """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
+
+    Args:
+        model: the model to plan for.
+        loss_fn: zero-argument callable: one forward on a representative batch, returns the loss.
+        budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
+            (0, 1] meaning that fraction of the uncheckpointed peak.
+        blocks: the repeated blocks (paths or predicate); found automatically if None.
+        solver: "dp" (default) or a baseline name from ``gradckpt.plan.solvers.SOLVERS``.
+        repeats: profiled steps to take median op times from.
+        profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
+
+    Returns:
+        A :class:`Plan` with its predicted peak and overhead.
+
+    Raises:
+        BudgetError: no plan fits; the message gives the least reachable peak.
+
+    Example:
+        >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
+        >>> print(p.summary())
+    """
+    prof = _profile(model, loss_fn, blocks, repeats, profile)
+    return solve(prof, parse_budget(budget, prof.measured_peak_bytes), solver)
+
+
+def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options: object) -> Plan:
+    """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
+
+    Example:
+        >>> gradckpt.fit(model, loss_fn, budget=0.5)
+    """
+    chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
+    apply(model, chosen)
+    return chosen
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One Pareto-optimal plan: its predicted peak and overhead."""
+
+    peak_bytes: int
+    overhead: float
+    plan: Plan
+
+
+def frontier(
+    model: nn.Module,
+    loss_fn: LossFn,
+    *,
+    points: int = 32,
+    blocks: BlockSpec = None,
+    repeats: int = 3,
+    profile: Profile | None = None,
+) -> list[FrontierPoint]:
+    """The memory-time Pareto curve, from the least feasible peak to the plain step.
+
+    Example:
+        >>> for point in gradckpt.frontier(model, loss_fn):
+        ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
+    """
+    prof = _profile(model, loss_fn, blocks, repeats, profile)
+    chain = build_chain(prof)
+    dp = ChainDP(chain.chain)
+    least = dp.least_feasible()
+    candidates = [none_plan(prof)]
+    if least is not None:
+        top = chain.chain.capacity
+        steps = max(2, points)
+        for i in range(steps):
+            m = least + round(i * (top - least) / (steps - 1))
+            candidates.append(Plan(_items(chain, dp.schedule(m)), prof.fingerprint))
+    seen: dict[tuple, FrontierPoint] = {}
+    for candidate in candidates:
+        if candidate.items in seen:
+            continue
+        done, pred = finish(prof, candidate, None, "dp")
+        seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
+    pareto: list[FrontierPoint] = []
+    for point in sorted(seen.values(), key=lambda p: (p.peak_bytes, p.overhead)):
+        if not pareto or point.overhead < pareto[-1].overhead:
+            pareto.append(point)
+    return pareto
