@@ -178,21 +178,37 @@ def explain(policy: Policy, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     from gradckpt.engine.checkpoint import checkpoint
 
     rows: list[dict] = []
+    made_by: dict[int, tuple[torch.Tensor, dict]] = {}  # id(output) -> (output, its row)
 
     def recording(ctx: PolicyContext, op: Any, *op_args: Any, **op_kwargs: Any) -> Decision:
         decision = as_decision(policy(ctx, op, *op_args, **op_kwargs), op, policy)
+        if op is TAG:
+            # As the engine does: a kept tag keeps the (non-view) op that made the
+            # tensor, or its base when the tensor is a view.
+            tensor = op_args[0]
+            for t in (tensor, tensor._base):
+                found = made_by.get(id(t)) if t is not None else None
+                if found is not None and found[0] is t:
+                    if decision is SAVE:
+                        found[1]["decision"] = SAVE.value
+                    break
+            return decision
         out = ctx.output
         flat = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        is_view = getattr(op, "is_view", False)  # the engine never keeps views: free to redo
         rows.append(
             {
                 "index": ctx.index,
                 "op": str(op),
-                "decision": decision.value,
+                "decision": RECOMPUTE.value if is_view else decision.value,
                 "shapes": [tuple(t.shape) for t in tensors],
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
             }
         )
+        if not is_view:
+            for t in tensors:
+                made_by[id(t)] = (t, rows[-1])
         return decision
 
     with torch.enable_grad():

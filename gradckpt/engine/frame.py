@@ -210,9 +210,7 @@ class Frame:
     def save_inputs(self, flat_inputs: list[Any]) -> None:
         """Keep the region's inputs (tensors by reference; other values as they are)."""
         tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
-        self._template = [
-            _TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in flat_inputs
-        ]
+        self._template = [_TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in flat_inputs]
         self._requires_grad = [t.requires_grad for t in tensors]
         if self.parent is None:
             dummy = torch.empty((0,), requires_grad=True)
@@ -367,6 +365,14 @@ class Frame:
         alive = [i for i, ref in enumerate(self.slots) if ref is not None and ref() is not None]
         if not alive:
             return
+        if torch._C._current_graph_task_id() == gid:
+            # A backward that reaches only some outputs (retain_graph) leaves the
+            # values it did not unpack in the holders: drop them when it ends. (Weakly:
+            # a frame whose holders are all gone must be freed, with its inputs, now.)
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: (frame := ref()) is not None and frame._release(gid)
+            )
         self.counters[gid] = 0
         self.stops[gid] = alive[-1]
         inputs = self._get_inputs()
@@ -401,6 +407,14 @@ class Frame:
                 f"a checkpointed region saved {count} tensors during its recompute but "
                 f"{len(self.slots)} during its forward. {_DEBUG_TIP}{self._log_tail()}"
             )
+
+    def _release(self, gid: int) -> None:
+        """Forget backward pass ``gid`` (called when it ends)."""
+        self.recomputed.discard(gid)
+        for ref in self.slots:
+            holder = ref() if ref is not None else None
+            if holder is not None:
+                holder.values.pop(gid, None)
 
     def _log_tail(self) -> str:
         if self.forward_log is None:

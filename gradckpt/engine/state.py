@@ -90,6 +90,9 @@ class ReplayState:
         """Run the recompute under the forward's RNG, autocast and device context."""
         with contextlib.ExitStack() as stack:
             if self.preserve_rng:
+                # fork_rng forks nothing, not even the CPU RNG, for device_type
+                # "meta" (a meta tensor among the inputs): restore the CPU RNG here.
+                stack.callback(torch.set_rng_state, torch.get_rng_state())
                 stack.enter_context(
                     torch.random.fork_rng(devices=self.devices, device_type=self.device_type)
                 )
