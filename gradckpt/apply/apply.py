@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from gradckpt.apply.wrappers import SegmentSpec, UnitSpec, make_wrapper, plan_policy
+from gradckpt.apply.wrappers import (
+    SegmentSpec,
+    UnitSpec,
+    make_root_guard,
+    make_wrapper,
+    plan_policy,
+)
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.profile.fingerprint import model_fingerprint
 
@@ -100,6 +106,10 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             module.forward = make_wrapper(spec, specs)
+        if any(isinstance(item, Segment) for item in plan.items):
+            had_own = "forward" in model.__dict__
+            installed.modules.append((model, had_own, model.__dict__.get("forward")))
+            model.forward = make_root_guard(model.forward)
     except BaseException:
         _restore(installed)
         raise

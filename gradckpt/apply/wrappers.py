@@ -32,7 +32,7 @@ from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
 from gradckpt.engine.frame import CheckpointError, Frame, active_frame
 
-__all__ = ["SegmentSpec", "UnitSpec", "make_wrapper", "plan_policy"]
+__all__ = ["SegmentSpec", "UnitSpec", "make_root_guard", "make_wrapper", "plan_policy"]
 
 
 def plan_policy(
@@ -98,6 +98,17 @@ class _SegmentFrame(Frame):
         self._last_output: weakref.ref | None = None
 
     def record(self, spec_path: str, flat: list[Any], tree: Any) -> None:
+        expected = (
+            self.segment.paths[len(self.calls)]
+            if len(self.calls) < len(self.segment.paths)
+            else None
+        )
+        if spec_path != expected:
+            raise CheckpointError(
+                f"gradckpt: {spec_path} ran inside {self.segment.name}, where {expected} was "
+                "planned next; the forward does not call the units in the planned order. "
+                "Plan the model again."
+            )
         # Keep what the replay needs but no activation made inside the segment:
         # the first call's tensors are the frame's saved inputs, and each later
         # call's chain input is the previous unit's replayed output.
@@ -216,3 +227,50 @@ def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
             "and overhead are for the planned shape. Plan again for this shape.",
             stacklevel=3,
         )
+
+
+def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap the model's own forward so no segment outlives the call that opened it.
+
+    A segment's region stays open across several unit calls; if an exception
+    escapes between two of them (outside every unit wrapper), its hooks would
+    stay installed. The guard closes whatever segments the call left open.
+    """
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        depth = _stack_depth()
+        try:
+            return forward(*args, **kwargs)
+        except BaseException as exc:
+            _close_segments_above(depth, exc)
+            raise
+        finally:
+            if _close_segments_above(depth, None):
+                raise CheckpointError(
+                    "gradckpt: a planned segment was still open when the forward returned; "
+                    "the forward did not call the segment's units in the planned order. "
+                    "Plan the model again."
+                )
+
+    guarded.__gradckpt_original__ = forward  # type: ignore[attr-defined]
+    return guarded
+
+
+def _stack_depth() -> int:
+    from gradckpt.engine.frame import _stack
+
+    return len(_stack())
+
+
+def _close_segments_above(depth: int, exc: BaseException | None) -> bool:
+    from gradckpt.engine.frame import _stack
+
+    closed = False
+    stack = _stack()
+    while len(stack) > depth:
+        frame, gid = stack[-1]
+        if gid is not None or not isinstance(frame, _SegmentFrame):
+            break
+        frame.end(exc if exc is not None else CheckpointError("segment left open"))
+        closed = True
+    return closed

@@ -21,6 +21,7 @@ profile's precision; tests hold it to 5% of the measured peak.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
@@ -66,6 +67,12 @@ def _region(profile: Profile, item: UnitChoice | Segment, index: dict[str, int])
         save = frozenset(unit.first_op + i for i in item.save)
         return Region([unit.index], unit.first_op, unit.end_op, save, frozenset(unit.inputs))
     units = [profile.units[index[u.path]] for u in iter_units(item.items)]
+    for before, after in itertools.pairwise(units):
+        if after.index != before.index + 1 or not after.chained:
+            raise ValueError(
+                f"a segment must span consecutive units that hand their output to the next; "
+                f"{before.path} -> {after.path} is not such a step in the profiled forward"
+            )
     inputs = set(units[0].inputs)
     for u in units[1:]:
         inputs.update(s for s in u.inputs if s != u.chain_input)

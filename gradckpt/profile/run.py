@@ -19,12 +19,14 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradckpt.measure.memory import state_bytes
+from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
@@ -201,6 +203,8 @@ def profile(
     *,
     blocks: BlockSpec = None,
     repeats: int = 3,
+    fake: bool = False,
+    device: str | torch.device | None = None,
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
@@ -210,6 +214,11 @@ def profile(
         blocks: module paths or a predicate ``(path, module) -> bool`` naming the
             repeated blocks; discovered automatically when None.
         repeats: plain passes to take per-op median times from.
+        fake: run under ``FakeTensorMode``: nothing is allocated (plan a model too
+            big for this machine, e.g. built on the meta device); op times are
+            estimated from FLOPs and bytes.
+        device: with ``fake``, the device the fake tensors claim to be on (default:
+            where the parameters are; "cpu" for a meta model).
 
     Example:
         >>> prof = gradckpt.profile(model, lambda: model(x).pow(2).mean())
@@ -222,6 +231,14 @@ def profile(
     units = find_units(model, find_blocks(model, blocks))
     guard = _StateGuard(model)
     try:
+        if fake:
+            where = torch.device(device) if device is not None else _fake_device(model)
+            with fake_model(model, where) as mode, mode:
+                guard.reset()
+                forward_only = _run_pass(units, loss_fn, plain=False)
+                guard.reset()
+                passes = [_run_pass(units, loss_fn, plain=True)]
+            return _estimated(_assemble(model, units, forward_only, passes, 0.0), where)
         guard.reset()
         forward_only = _run_pass(units, loss_fn, plain=False)
         passes = []
@@ -232,6 +249,40 @@ def profile(
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)
+
+
+def _fake_device(model: nn.Module) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        return torch.device("cpu") if t.device.type == "meta" else t.device
+    return torch.device("cpu")
+
+
+def _estimated(prof: Profile, device: torch.device) -> Profile:
+    """Op times from FLOPs and bytes (a fake step cannot be timed)."""
+    speed = SPEEDS.get(device.type, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed),
+        )
+        for op in prof.ops
+    )
+    units = tuple(
+        replace(
+            u,
+            fwd_time=sum(op.time for op in ops if op.unit == u.index and not op.backward),
+            bwd_time=sum(op.time for op in ops if op.unit == u.index and op.backward),
+        )
+        for u in prof.units
+    )
+    return replace(
+        prof,
+        ops=ops,
+        units=units,
+        step_time=sum(op.time for op in ops),
+        fake=True,
+        device=device.type,
+    )
 
 
 def _assemble(
