@@ -60,6 +60,8 @@ class _Pack:
     unit: int
     ops_done: int
     position: int
+    shape: tuple[int, ...]
+    dtype: str
     unpack: int = NEVER
     release: int = NEVER
 
@@ -190,8 +192,11 @@ class StepRecorder:
         call = self._stack[-1] if self._stack and self.forward else None
         pid = len(self.packs)
         self.packs.append(
-            _Pack(self.sid_of(x), call.unit if call else -1, self.forward_ops, self._next())
-        )
+            _Pack(
+                self.sid_of(x), call.unit if call else -1, self.forward_ops, self._next(),
+                tuple(x.shape), str(x.dtype).removeprefix("torch."),
+            )
+        )  # fmt: skip
         return _Saved(self, pid, x.detach() if self.keep_saved else None)
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -218,12 +223,12 @@ class StepRecorder:
             if previous is not None and x is previous:
                 call.chain_arg, call.chain_input = i, self.sid_of(x)
                 call.chained = self._last_end == call.first_op
-                call.input_shape = tuple(x.shape)
                 break
         else:
             if tensors:
                 call.chain_arg, call.chain_input = tensors[0][0], self.sid_of(tensors[0][1])
-                call.input_shape = tuple(tensors[0][1].shape)
+        if tensors:  # what apply's shape check compares: the first tensor argument
+            call.input_shape = tuple(tensors[0][1].shape)
         call.seq = (torch._C._autograd._get_sequence_nr(), 0)
         self._stack.append(call)
         return call

@@ -70,6 +70,8 @@ class PackRecord:
     position: int
     unpack: int
     release: int
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,7 @@ class Profile:
         return cls(
             ops=tuple(OpRecord(**{**o, "outputs": tuple(o["outputs"])}) for o in data["ops"]),
             storages=tuple(StorageRecord(**s) for s in data["storages"]),
-            packs=tuple(PackRecord(**p) for p in data["packs"]),
+            packs=tuple(PackRecord(**{**p, "shape": tuple(p["shape"])}) for p in data["packs"]),
             units=tuple(UnitRecord(**{**u, "inputs": tuple(u["inputs"])}) for u in data["units"]),
             forward_ops=data["forward_ops"],
             end=data["end"],

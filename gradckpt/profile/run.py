@@ -233,6 +233,7 @@ def profile(
     try:
         if fake:
             where = torch.device(device) if device is not None else _fake_device(model)
+            _check_fake_device(where)
             with fake_model(model, where) as mode, mode:
                 guard.reset()
                 forward_only = _run_pass(units, loss_fn, plain=False)
@@ -249,6 +250,19 @@ def profile(
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)
+
+
+def _check_fake_device(device: torch.device) -> None:
+    # Fake tensors on a device type this torch build lacks abort the interpreter
+    # deep in C++ instead of raising: refuse first.
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if device.type not in ("cpu", "meta") and callable(available) and not available():
+        raise ValueError(
+            f"fake profiling on {device.type!r} needs a torch build with {device.type} support; "
+            "profile with device='cpu' on this machine (attention kernels may save slightly "
+            "different tensors than on the GPU), or run the planner where the device exists"
+        )
 
 
 def _fake_device(model: nn.Module) -> torch.device:
@@ -313,7 +327,7 @@ def _assemble(
     )
     packs = tuple(
         PackRecord(i, p.storage, renumber.get(p.unit, -1), p.ops_done, p.position, p.unpack,
-                   p.release)
+                   p.release, p.shape, p.dtype)
         for i, p in enumerate(main.packs)
     )  # fmt: skip
     param_bytes = state_bytes(model)
