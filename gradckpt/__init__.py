@@ -24,6 +24,7 @@ from gradckpt.engine import (
 )
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.explain import explain
 from gradckpt.profile import Profile
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "explain",
     "fit",
     "frontier",
     "measure",

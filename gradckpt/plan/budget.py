@@ -16,8 +16,15 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.I
 _FORMS = (
     "a budget is bytes (an int such as 800_000_000), a string with units ('800MB', "
     "'1.5GiB', '12 GB'; case-insensitive; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024), "
-    "or a float in (0, 1] meaning that fraction of the uncheckpointed peak"
+    "or a fraction of the uncheckpointed peak: a float in (0, 1] such as 0.5, or '50%'"
 )
+
+
+def _number(text: str, original: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{_FORMS}; got {original!r}") from None
 
 
 class BudgetError(ValueError):
@@ -46,6 +53,11 @@ def parse_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
             raise ValueError(f"{_FORMS}; got the float {budget} (floats are fractions)")
         return int(budget * plain_peak_bytes)
     if isinstance(budget, str):
+        text = budget.strip()
+        if text.endswith("%"):
+            return parse_budget(_number(text[:-1], budget) / 100, plain_peak_bytes)
+        if "." in text and text.replace(".", "", 1).isdigit() and float(text) <= 1.0:
+            return parse_budget(float(text), plain_peak_bytes)  # "0.5": a fraction
         match = _PATTERN.match(budget)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:

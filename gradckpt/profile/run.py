@@ -95,7 +95,9 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
             installed.append((module, previous, had_own))
         yield
     finally:
-        for module, previous, had_own in installed:
+        # Last installed first: a module that is two units (shared by two parents)
+        # got two markers, the second wrapping the first.
+        for module, previous, had_own in reversed(installed):
             if had_own:
                 module.forward = previous
             else:
@@ -310,7 +312,9 @@ def _assemble(
     natural = _natural_frees(forward_only, main)
     names = [op[1] for op in main.ops]
     same = [p for p in passes if [op[1] for op in p.ops] == names]
-    times = [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+    times = _shared_times(
+        main, [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+    )
     provisional = [
         OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
         for op in main.ops
@@ -349,6 +353,25 @@ def _assemble(
         device=_device_of(model),
         input_shapes=shapes,
     )
+
+
+def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
+    """One median time for identical ops (same name, phase, FLOPs and output sizes).
+
+    Repeated blocks run the same ops on the same shapes; pooling their timings
+    removes most of the noise a busy machine adds to a single measurement.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for op in recorder.ops:
+        sizes = tuple(recorder.storages[s].nbytes for s in op[7])
+        groups.setdefault((op[1], op[2], op[6], sizes), []).append(op[0])
+    pooled = list(times)
+    for members in groups.values():
+        if len(members) > 1:
+            median = statistics.median(times[i] for i in members)
+            for i in members:
+                pooled[i] = median
+    return pooled
 
 
 def _device_of(model: nn.Module) -> str:

@@ -68,6 +68,9 @@ def test_summary_names_every_unit_and_the_numbers():
         ("2048", 2048),
         (0.5, 500),
         (1.0, 1000),
+        ("0.5", 500),
+        ("50%", 500),
+        ("100%", 1000),
     ],
 )
 def test_budget_forms(budget, expected):

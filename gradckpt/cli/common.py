@@ -1,0 +1,261 @@
+"""What the commands share: budgets from the command line, profiling, plan and frontier tables."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradckpt.cli.extras import CliError, optional
+from gradckpt.cli.output import Out
+from gradckpt.plan.explain import Explanation, human_bytes
+
+if TYPE_CHECKING:
+    from gradckpt.api import FrontierPoint
+    from gradckpt.cli.targets import Target
+    from gradckpt.plan.plan import Plan
+    from gradckpt.profile.records import Profile
+
+__all__ = [
+    "budget_arg",
+    "describe_plan",
+    "frontier_rows",
+    "least_peak",
+    "ms",
+    "pct",
+    "plan_for",
+    "plan_units_table",
+    "profile_target",
+    "write_frontier_png",
+]
+
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*$", re.IGNORECASE)
+BUDGET_FORMS = (
+    "give a fraction of the plain peak (0.5 or 50%), bytes with units (800MB, 1.5GiB), "
+    "plain bytes (800000000) or 'least'"
+)
+
+
+def budget_arg(text: str) -> int | float | str:
+    """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes.
+
+    Example:
+        >>> budget_arg("50%"), budget_arg("0.25"), budget_arg("1.5GiB"), budget_arg("4096")
+        (0.5, 0.25, '1.5GiB', 4096)
+    """
+    from gradckpt.plan.budget import parse_budget
+
+    raw = text.strip()
+    if raw.lower() == "least":
+        return "least"
+    if raw.endswith("%"):
+        number = _NUMBER.match(raw[:-1])
+        if number is None or not 0 < float(number.group(1)) <= 100:
+            raise CliError(f"bad budget {text!r}: a percentage is in (0%, 100%]; {BUDGET_FORMS}")
+        return float(number.group(1)) / 100
+    number = _NUMBER.match(raw)
+    if number is not None:
+        if raw.isdigit():
+            if int(raw) <= 0:
+                raise CliError(f"bad budget {text!r}: {BUDGET_FORMS}")
+            return int(raw)
+        value = float(number.group(1))
+        if not 0 < value <= 1:
+            raise CliError(
+                f"bad budget {text!r}: a number with a point is a fraction of the plain peak, "
+                f"in (0, 1]; {BUDGET_FORMS}"
+            )
+        return value
+    try:
+        parse_budget(raw, 0)
+    except ValueError:
+        raise CliError(f"bad budget {text!r}: {BUDGET_FORMS}") from None
+    return raw
+
+
+def budget_at_least(nbytes: int) -> str:
+    """A --budget string for at least ``nbytes`` (rounded up), e.g. '3.92MiB'.
+
+    Example:
+        >>> budget_at_least(4108808)
+        '3.92MiB'
+    """
+    for size, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= size:
+            return f"{math.ceil(nbytes * 100 / size) / 100:.2f}{unit}"
+    return str(nbytes)
+
+
+def pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def ms(seconds: float) -> str:
+    """Seconds as '12.34 ms' (or '3.21 s' from 10 s on)."""
+    return f"{seconds:.2f} s" if seconds >= 10 else f"{seconds * 1e3:.2f} ms"
+
+
+# --------------------------------------------------------------------------- profiling, planning
+
+
+def profile_target(
+    target: Target, out: Out, *, fake: bool, device: str | None, blocks: Sequence[str] | None,
+    repeats: int = 3,
+) -> Profile:  # fmt: skip
+    """Profile the target's step, with a spinner; bad block names become a CliError."""
+    from gradckpt.profile.run import ProfileError, profile
+
+    what = "estimating (--fake: nothing allocated)" if fake else "measuring"
+    with out.status(f"{what} one training step of {target.name} ..."):
+        try:
+            return profile(
+                target.model, target.loss_fn, blocks=list(blocks) if blocks else None,
+                repeats=repeats, fake=fake, device=device if fake else None,
+            )  # fmt: skip
+        except (ProfileError, ValueError, TypeError) as e:
+            raise CliError(f"profiling {target.name} failed: {e}") from e
+
+
+def least_peak(prof: Profile) -> int:
+    """The least peak gradckpt reaches for this step (predicted bytes)."""
+    from gradckpt.plan.chain import build_chain
+    from gradckpt.plan.dp import ChainDP
+    from gradckpt.plan.solvers import least_peak_plan
+
+    chain = build_chain(prof)
+    return least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
+
+
+def plan_for(prof: Profile, budget: int | float | str, solver: str, name: str) -> Plan:
+    """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
+    from gradckpt.plan.budget import BudgetError, parse_budget
+    from gradckpt.plan.solvers import solve
+
+    least = least_peak(prof) if budget == "least" else None
+    nbytes = least if least is not None else parse_budget(budget, prof.measured_peak_bytes)
+    try:
+        return solve(prof, nbytes, solver)
+    except BudgetError as e:
+        least = e.least_peak_bytes if solver == "dp" else least_peak(prof)
+        raise CliError(
+            f"budget {human_bytes(nbytes)} is below the least feasible peak for {name}: "
+            f"{human_bytes(least or 0)} ({least} bytes) with solver {solver!r} "
+            f"(plain peak {human_bytes(prof.measured_peak_bytes)}); use --budget "
+            f"{budget_at_least(least or 0)} or more, or shrink the batch"
+        ) from e
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def describe_plan(plan: Plan) -> str:
+    """'2 recompute, 4 selective, 1 segment' (units not kept plainly)."""
+    from gradckpt.plan.plan import Segment, iter_units
+
+    units = list(iter_units(plan.items))
+    counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective")}
+    parts = [f"{n} {m}" for m, n in counts.items() if n]
+    segments = sum(isinstance(i, Segment) for i in plan.items)
+    if segments:
+        parts.append(f"{segments} segment{'s' * (segments > 1)}")
+    return ", ".join(parts) or "all kept (no checkpointing)"
+
+
+def plan_units_table(out: Out, explanation: Explanation, title: str | None = None) -> None:
+    """Per unit: the plan's decision, bytes kept and recomputed, recompute time."""
+    rows = []
+    for u in explanation.units:
+        name = f"{u.path} (block)" if u.is_block else u.path
+        rows.append([
+            name, u.decision, human_bytes(u.kept_bytes) if u.kept_bytes else "-",
+            human_bytes(u.recomputed_bytes) if u.recomputed_bytes else "-",
+            ms(u.recompute_time) if u.recompute_time else "-",
+        ])  # fmt: skip
+    recompute = sum(u.recompute_time for u in explanation.units)
+    footer = [
+        "total", "", human_bytes(explanation.kept_bytes),
+        human_bytes(explanation.recomputed_bytes) if explanation.recomputed_bytes else "-",
+        ms(recompute) if recompute else "-",
+    ]  # fmt: skip
+    out.table(
+        ["unit", "decision", "kept for backward", "recomputed", "recompute time"], rows,
+        title=title, right=(2, 3, 4), footer=footer,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the frontier
+
+
+def frontier_rows(points: Sequence[FrontierPoint], plain_peak: int, limit: int = 10) -> list:
+    """At most ``limit`` frontier points, evenly spread, as table rows."""
+    if len(points) > limit:
+        step = (len(points) - 1) / (limit - 1)
+        points = [points[round(i * step)] for i in range(limit)]
+    return [
+        [human_bytes(p.peak_bytes), f"{p.peak_bytes / plain_peak:.0%}", pct(p.overhead),
+         describe_plan(p.plan)]
+        for p in points
+    ]  # fmt: skip
+
+
+def write_frontier_png(
+    path: Path,
+    points: Sequence[FrontierPoint],
+    *,
+    title: str,
+    plain_peak: int,
+    budget: int | None = None,
+    marks: Sequence[tuple[str, int, float, str]] = (),
+) -> bool:
+    """Plot the frontier (peak MiB vs predicted overhead) with labelled points; False if no
+    matplotlib. ``marks``: (label, peak bytes, overhead, marker)."""
+    matplotlib = optional("matplotlib")
+    if matplotlib is None:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 1 << 20
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p.peak_bytes / mib for p in points]
+    ys = [100 * p.overhead for p in points]
+    ax.step(xs, ys, where="post", color="0.25", label="gradckpt frontier (predicted)")
+    ax.plot(xs, ys, ".", color="0.25")
+    if budget is not None:
+        ax.axvline(budget / mib, color="tab:orange", ls="--", lw=1, label="budget")
+    ax.axvline(plain_peak / mib, color="0.7", ls=":", lw=1, label="plain peak")
+    for label, peak, overhead, marker in marks:
+        ax.plot(peak / mib, 100 * overhead, marker, ms=9, label=label, zorder=5)
+    ax.set_xlabel("peak memory (MiB)")
+    ax.set_ylabel("step-time overhead (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def target_header(out: Out, target: Target, prof: Profile, *, fake: bool) -> None:
+    """Target, size, device and the plain step's numbers."""
+    mode = "estimated with --fake (nothing allocated)" if fake else "measured"
+    out.heading(f"{target.name}: {target.description}")
+    out.print(
+        f"  {target.params / 1e6:.1f}M parameters ({human_bytes(prof.param_bytes)} with buffers), "
+        f"{len(prof.blocks)} blocks, {len(prof.units)} units; device {prof.device}; step {mode}"
+    )
+    out.print(
+        f"  plain step: peak {human_bytes(prof.measured_peak_bytes)}, "
+        f"{ms(prof.step_time)}{' (estimate)' if fake else ''}"
+    )
+
+
+def jsonable_profile(prof: Profile) -> dict[str, Any]:
+    return {
+        "fake": prof.fake, "device": prof.device, "param_bytes": prof.param_bytes,
+        "plain_peak_bytes": prof.measured_peak_bytes, "step_time_s": prof.step_time,
+        "blocks": [u.path for u in prof.blocks], "units": [u.path for u in prof.units],
+    }  # fmt: skip
