@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from gradckpt import integrations
 from gradckpt.apply.apply import apply
 from gradckpt.plan.budget import parse_budget
 from gradckpt.plan.chain import build_chain
@@ -18,17 +20,29 @@ from gradckpt.profile.records import Profile
 from gradckpt.profile.run import profile as profile_step
 from gradckpt.profile.units import BlockSpec
 
-__all__ = ["FrontierPoint", "fit", "frontier", "plan"]
+__all__ = ["FrontierPoint", "fit", "frontier", "plan", "profile"]
 
 LossFn = Callable[[], torch.Tensor]
+
+
+def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
+    """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profile.profile`.
+
+    Integrations prepare the model first (transformers: no KV cache while profiling).
+
+    Example:
+        >>> prof = gradckpt.profile(model, loss_fn, fake=True)
+    """
+    with integrations.preparing(model, fake=bool(options.get("fake"))):
+        return profile_step(model, loss_fn, **options)
 
 
 def _profile(
     model: nn.Module, loss_fn: LossFn, blocks: BlockSpec, repeats: int, given: Profile | None
 ) -> Profile:
-    return (
-        given if given is not None else profile_step(model, loss_fn, blocks=blocks, repeats=repeats)
-    )
+    if given is not None:
+        return given
+    return profile(model, loss_fn, blocks=blocks, repeats=repeats)
 
 
 def plan(
@@ -40,6 +54,7 @@ def plan(
     solver: str | Solver = "dp",
     repeats: int = 3,
     profile: Profile | None = None,
+    segments: bool = True,
 ) -> Plan:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
@@ -52,6 +67,8 @@ def plan(
         solver: "dp" (default) or a baseline name from ``gradckpt.plan.solvers.SOLVERS``.
         repeats: profiled steps to take median op times from.
         profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
+        segments: allow regions that span several units (False for FSDP, whose
+            units' parameters are sharded when a segment would recompute them).
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead.
@@ -64,7 +81,7 @@ def plan(
         >>> print(p.summary())
     """
     prof = _profile(model, loss_fn, blocks, repeats, profile)
-    return solve(prof, parse_budget(budget, prof.measured_peak_bytes), solver)
+    return solve(prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments)
 
 
 def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options: object) -> Plan:
@@ -73,8 +90,9 @@ def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options:
     Example:
         >>> gradckpt.fit(model, loss_fn, budget=0.5)
     """
-    chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
-    apply(model, chosen)
+    with integrations.training(model):  # transformers: use_cache off for training, said once
+        chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
+        apply(model, chosen)
     return chosen
 
 

@@ -10,14 +10,24 @@ from torch import nn
 from gradckpt.apply.wrappers import (
     SegmentSpec,
     UnitSpec,
+    fsdp_sharded,
     make_root_guard,
     make_wrapper,
     plan_policy,
+    segment_error,
 )
+from gradckpt.engine import dynamo
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.profile.fingerprint import model_fingerprint
 
-__all__ = ["PlanMismatchError", "applied_plan", "apply", "remove"]
+__all__ = [
+    "PlanMismatchError",
+    "applied_plan",
+    "applied_units",
+    "apply",
+    "prepare_for_compile",
+    "remove",
+]
 
 
 class PlanMismatchError(ValueError):
@@ -28,6 +38,7 @@ class PlanMismatchError(ValueError):
 class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
+    units: dict[str, UnitSpec]
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -37,6 +48,16 @@ def applied_plan(model: nn.Module) -> Plan | None:
     """The plan installed on ``model`` by :func:`apply`, or None."""
     installed = _INSTALLED.get(model)
     return installed.plan if installed is not None else None
+
+
+def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
+    """The installed units of ``model`` by path (empty if no plan is applied).
+
+    Integrations adjust them in place (``gradckpt.integrations.compile`` sets
+    their compiled bodies); they live until the plan is removed or replaced.
+    """
+    installed = _INSTALLED.get(model)
+    return installed.units if installed is not None else {}
 
 
 def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
@@ -78,7 +99,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
     Idempotent: applying the same plan twice changes nothing; applying another
     plan replaces the first. Refuses a plan made for a different model
-    (structure fingerprint) before touching anything.
+    (structure fingerprint), or with a segment over FSDP-sharded units, before
+    touching anything. Apply before ``torch.compile`` and ``fully_shard``/DDP.
 
     Example:
         >>> plan = gradckpt.Plan.load("plan.json")
@@ -86,6 +108,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs a gradckpt.Plan, got {type(plan).__name__}")
+    _refuse_segments_under_fsdp(model, plan)
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.fingerprint:
         raise PlanMismatchError(
@@ -99,7 +122,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             return model
         remove(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
-    installed = _Installed(plan, [])
+    installed = _Installed(plan, [], specs)
     try:
         for spec in specs.values():
             module = spec.module
@@ -114,7 +137,53 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         _restore(installed)
         raise
     _INSTALLED[model] = installed
+    if dynamo.loaded():
+        prepare_for_compile(model)
     return model
+
+
+def prepare_for_compile(model: nn.Module) -> nn.Module:
+    """Make the installed forwards that open regions opaque to Dynamo (imports it).
+
+    A compiled caller then graph-breaks at each region's call instead of tracing
+    into the wrapper (which it would, correctly but with a recompile per unit);
+    kept units stay traceable. ``apply`` does this itself when Dynamo is already
+    loaded; ``gradckpt.integrations.compile.compile_model`` calls it.
+    """
+    installed = _INSTALLED.get(model)
+    if installed is None:
+        return model
+    for spec in installed.units.values():
+        forward = spec.module.__dict__.get("forward")
+        opens_regions = spec.mode != "keep" or bool(spec.segments)
+        if opens_regions and forward is not None and not hasattr(forward, "_torchdynamo_disable"):
+            spec.module.forward = dynamo.opaque(forward)
+    guard = getattr(model.__dict__.get("forward"), "__gradckpt_guard__", None)
+    if guard is not None:
+        # Skip only the guard's own frame: the model's forward still compiles.
+        skipped = dynamo.opaque(guard, recursive=False)
+        skipped.__gradckpt_original__ = model.forward.__gradckpt_original__
+        model.forward = skipped
+    return model
+
+
+def _refuse_segments_under_fsdp(model: nn.Module, plan: Plan) -> None:
+    modules = dict(model.named_modules())
+
+    def visit(items: tuple) -> None:
+        for item in items:
+            if isinstance(item, Segment):
+                for path in item.paths:
+                    module = modules.get(path)
+                    sharded = fsdp_sharded(module) if module is not None else None
+                    if sharded is not None:
+                        name = f"segment[{item.paths[0]}..{item.paths[-1]}]"
+                        raise ValueError(
+                            segment_error(name, ".".join(x for x in (path, sharded) if x))
+                        )
+                visit(item.items)
+
+    visit(plan.items)
 
 
 def _restore(installed: _Installed) -> None:

@@ -14,6 +14,14 @@ time, how the unit runs:
 recomputing a segment. A segment's recompute calls its units' wrappers again,
 so the segments and regions nested in it open during that recompute, which is
 the schedule the planner's dynamic program chose.
+
+Under ``torch.compile`` a wrapper that Dynamo traces inlines a kept unit (it
+compiles with its caller) and makes every other case a graph break that runs
+the logic above eagerly (:mod:`gradckpt.engine.dynamo`). A unit may carry a
+compiled body (``UnitSpec.compiled``, set by ``gradckpt.integrations.compile``):
+it then runs that body wherever it would run ``plain``, except as a selective
+region, whose policy must see every op; regions whose bodies are compiled
+rerun them compiled (``Frame(compiled=True)``).
 """
 
 from __future__ import annotations
@@ -28,11 +36,45 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradckpt.engine import dynamo
 from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
 from gradckpt.engine.frame import CheckpointError, Frame, active_frame
 
-__all__ = ["SegmentSpec", "UnitSpec", "make_root_guard", "make_wrapper", "plan_policy"]
+__all__ = [
+    "SegmentSpec",
+    "UnitSpec",
+    "fsdp_sharded",
+    "make_root_guard",
+    "make_wrapper",
+    "plan_policy",
+]
+
+_FSDP_CLASSES = ("FSDPModule", "FullyShardedDataParallel")
+
+
+def fsdp_sharded(module: nn.Module) -> str | None:
+    """The path of a submodule of ``module`` that FSDP shards (itself: ""), or None.
+
+    Such a module's parameters are gathered only around its own forward and
+    backward, so a segment (one region over several units, recomputed during
+    its last unit's backward) cannot rerun it. Recognized by class name, so
+    ``torch.distributed`` is never imported here.
+    """
+    for path, m in module.named_modules():
+        for cls in type(m).__mro__:
+            if cls.__name__ in _FSDP_CLASSES and cls.__module__.startswith("torch.distributed"):
+                return path
+    return None
+
+
+def segment_error(name: str, path: str) -> str:
+    return (
+        f"gradckpt: {name} spans {path}, which FSDP shards. A segment recomputes all its "
+        "units during its last unit's backward, when FSDP holds the others' parameters "
+        "sharded. Plan with segments=False (gradckpt.plan(..., segments=False), or "
+        "gradckpt.integrations.distributed.plan_for_fsdp) before fully_shard."
+    )
 
 
 def plan_policy(
@@ -85,13 +127,42 @@ class UnitSpec:
     policy: Callable[..., Any] | None = None
     segments: list[SegmentSpec] = field(default_factory=list)  # outermost first
     expected_shape: tuple[int, ...] | None = None
+    compiled: Callable[..., Any] | None = None  # a torch.compile'd ``plain``, if any
+
+    @property
+    def body(self) -> Callable[..., Any] | None:
+        """The compiled body this unit runs in regions, or None (runs ``plain`` eagerly)."""
+        return self.compiled if self.mode != "selective" else None
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.module.buffers())
+
+
+def _call_in_region(unit: UnitSpec, args: tuple, kwargs: dict) -> Any:
+    """Run the unit inside a region (forward or recompute): the same way both times."""
+    if unit.body is not None:
+        return unit.body(*args, **kwargs)
+    with dynamo.eager():
+        return unit.plain(*args, **kwargs)
 
 
 class _SegmentFrame(Frame):
     """A segment's region: records each unit call so its recompute can replay them."""
 
     def __init__(self, spec: SegmentSpec, units: dict[str, UnitSpec]) -> None:
-        super().__init__(None, name=spec.name)
+        members = [units[p] for p in spec.paths]
+        for unit in members:
+            sharded = fsdp_sharded(unit.module)
+            if sharded is not None:
+                raise CheckpointError(
+                    segment_error(spec.name, ".".join(x for x in (unit.path, sharded) if x))
+                )
+        super().__init__(
+            None,
+            name=spec.name,
+            compiled=any(u.body is not None for u in members),
+            state=lambda: [b for u in members for b in u.buffers()],
+        )
         self.segment = spec
         self.units = units
         self.calls: list[tuple[list[Any], Any, int]] = []  # flat args, spec, chain position
@@ -156,8 +227,17 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., An
     shape_checked: list[bool] = []
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if dynamo.is_compiling():
+            # Traced by Dynamo: a kept unit compiles with its caller; anything
+            # that opens or joins a region runs eagerly behind a graph break.
+            if not torch.is_grad_enabled() or (unit.mode == "keep" and not unit.segments):
+                return unit.plain(*args, **kwargs)
+            return dynamo.opaque(run)(*args, **kwargs)
+        return run(*args, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return unit.plain(*args, **kwargs)
+            return (unit.compiled or unit.plain)(*args, **kwargs)
         top = active_frame()
         if top is not None and top[1] is None:
             # Inside some region's forward: run plainly; close our segment at its end.
@@ -166,7 +246,7 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., An
                 flat, tree = tree_flatten((args, kwargs))
                 segment.record(unit.path, flat, tree)
             try:
-                out = unit.plain(*args, **kwargs)
+                out = _call_in_region(unit, args, kwargs)
             except BaseException as exc:
                 if segment is not None:
                     segment.end(exc)
@@ -191,7 +271,14 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., An
                 )
             return _run_segment_start(spec, unit, units, args, kwargs)
         if unit.mode == "keep":
-            return unit.plain(*args, **kwargs)
+            if top is not None:
+                # A segment's recompute: run as its forward ran this unit.
+                return _call_in_region(unit, args, kwargs)
+            return (unit.body or unit.plain)(*args, **kwargs)
+        if unit.body is not None:
+            return run_checkpointed(
+                unit.body, args, kwargs, name=unit.path, compiled=True, state=unit.buffers
+            )
         return run_checkpointed(unit.plain, args, kwargs, policy=unit.policy, name=unit.path)
 
     forward.__gradckpt_original__ = unit.plain  # type: ignore[attr-defined]
@@ -207,7 +294,7 @@ def _run_segment_start(
     frame.begin()
     frame.record(unit.path, flat, tree)
     try:
-        out = unit.plain(*args, **kwargs)
+        out = _call_in_region(unit, args, kwargs)
     except BaseException as exc:
         frame.end(exc)
         raise
@@ -238,6 +325,12 @@ def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        if dynamo.is_compiling():
+            # Skip only the guard's frame: the model's own forward still compiles.
+            return dynamo.opaque(run, recursive=False)(*args, **kwargs)
+        return run(*args, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
         depth = _stack_depth()
         try:
             return forward(*args, **kwargs)
@@ -253,6 +346,7 @@ def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
                 )
 
     guarded.__gradckpt_original__ = forward  # type: ignore[attr-defined]
+    guarded.__gradckpt_guard__ = run  # type: ignore[attr-defined]
     return guarded
 
 

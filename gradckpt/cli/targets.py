@@ -74,13 +74,17 @@ def _zoo(name: str, **sizes: Any) -> Callable[[bool, str], tuple[nn.Module, Loss
 def _hf(kind: str) -> Callable[[bool, str], tuple[nn.Module, LossFn]]:
     def build(fake: bool, device: str) -> tuple[nn.Module, LossFn]:
         transformers = require("transformers", f"the built-in target {kind}")
-        transformers.logging.set_verbosity_error()
         config, cls, inputs = _HF[kind](transformers)
         if hasattr(config, "use_cache"):
             config.use_cache = False  # training: no key/value cache
         where = torch.device("meta") if fake else torch.device(device)
-        with torch.device(where):
-            model = cls(config)
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # config chatter while building only
+        try:
+            with torch.device(where):
+                model = cls(config)
+        finally:
+            transformers.logging.set_verbosity(verbosity)
         model.train()
 
         def loss_fn() -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradckpt.engine import dynamo
 from gradckpt.engine.frame import Frame, in_region_forward
 
 __all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
@@ -70,6 +71,11 @@ def checkpoint(
         context_fn: returns (forward context, recompute context), as in torch.
         **kwargs: keyword arguments for ``fn``.
 
+    Under ``torch.compile`` the region is a graph break: it runs eagerly, in its
+    forward and its recompute alike (compiled code inside it runs eagerly too),
+    and the code around it compiles. ``gradckpt.integrations.compile`` compiles
+    region bodies themselves.
+
     Returns:
         What ``fn`` returns.
 
@@ -102,7 +108,10 @@ def run_checkpointed(
     """:func:`checkpoint` with arguments passed explicitly (no clash with ``fn``'s kwargs).
 
     ``options`` are :class:`~gradckpt.engine.Frame` options (policy, early_stop, ...).
+    Opaque to torch.compile: a compiled caller graph-breaks here.
     """
+    if dynamo.is_compiling():
+        return dynamo.opaque(run_checkpointed)(fn, args, kwargs, name=name, **options)
     if not torch.is_grad_enabled() or in_region_forward():
         # Nothing is saved under no_grad; inside another region's forward the
         # enclosing region recomputes this one anyway.

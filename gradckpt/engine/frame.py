@@ -23,12 +23,13 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import SAVE, TAG, PolicyContext, as_decision
 from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
 from gradckpt.engine.state import ReplayState, capture_state
@@ -159,6 +160,11 @@ class Frame:
     ``body(inputs)`` reruns the region from the list of its flattened inputs.
     A frame is opened with :meth:`begin` and closed with :meth:`end`, which may
     happen in different Python calls (a region spanning several blocks).
+
+    ``compiled=True`` marks a body that calls ``torch.compile``d code, to be
+    rerun compiled in the recompute (see :mod:`gradckpt.engine.dynamo`); such a
+    frame takes no policy, and ``state()`` lists the tensors its body may write
+    to (module buffers), which its recompute must leave as the forward left them.
     """
 
     def __init__(
@@ -172,7 +178,11 @@ class Frame:
         debug: bool = False,
         name: str = "",
         context_fn: Callable[[], tuple[Any, Any]] | None = None,
+        compiled: bool = False,
+        state: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
+        if compiled and policy is not None:
+            raise ValueError("a compiled region cannot take a policy (its ops are not dispatched)")
         self.body = body
         self.policy = policy
         self.preserve_rng_state = preserve_rng_state
@@ -180,6 +190,11 @@ class Frame:
         self.early_stop = early_stop
         self.name = name
         self.context_fn = context_fn
+        self.compiled = compiled
+        self.state = state
+        self.ran_compiled = False  # the forward ran compiled code: so must the recompute
+        self._state_versions: list[tuple[torch.Tensor, int]] = []
+        self._mutated: list[torch.Tensor] = []
         top = active_frame()
         # Opened during an enclosing region's recompute: holders come from it.
         self.parent: tuple[Frame, int] | None = (
@@ -249,6 +264,9 @@ class Frame:
         """Enter the region's forward: saved tensors become holders from here on."""
         stack = contextlib.ExitStack()
         try:
+            if not self.compiled:
+                # Whatever is compiled inside runs eagerly, as in the recompute.
+                stack.enter_context(dynamo.eager())
             if self.context_fn is not None:
                 forward_context, self._recompute_context = self.context_fn()
                 stack.enter_context(forward_context)
@@ -258,6 +276,10 @@ class Frame:
                 stack.enter_context(PolicyMode(self))
             if self.forward_log is not None:
                 stack.enter_context(OpLogMode(self.forward_log))
+            if self.compiled:
+                self.ran_compiled = dynamo.eager_reason() is None
+                if self.state is not None:
+                    self._state_versions = [(t, t._version) for t in self.state()]
             _stack().append((self, None))
             stack.callback(_stack().pop)
         except BaseException:
@@ -271,6 +293,10 @@ class Frame:
         if exit_stack is None:
             return
         exit_stack.close()
+        if self._state_versions:
+            # What the forward wrote to (running statistics): its recompute must not.
+            self._mutated = [t for t, v in self._state_versions if t._version != v]
+            self._state_versions = []
         if exc is None:
             self.forward_completed = True
             if self.parent is None and self._state is not None:
@@ -383,6 +409,9 @@ class Frame:
             self.recompute_log = []
         try:
             with contextlib.ExitStack() as ctx:
+                if self.ran_compiled:
+                    self._check_compiled_recompute()
+                    ctx.enter_context(self._restoring_state())
                 ctx.enter_context(self._state.replay())
                 ctx.enter_context(torch.enable_grad())
                 ctx.enter_context(
@@ -390,9 +419,12 @@ class Frame:
                 )
                 if self._recompute_context is not None:
                     ctx.enter_context(self._recompute_context)
-                ctx.enter_context(RecomputeMode(self))
-                if self.recompute_log is not None:
-                    ctx.enter_context(OpLogMode(self.recompute_log))
+                if not self.ran_compiled:
+                    # Dynamo runs compiled code eagerly under this mode: the
+                    # recompute of an eager region stays eager.
+                    ctx.enter_context(RecomputeMode(self))
+                    if self.recompute_log is not None:
+                        ctx.enter_context(OpLogMode(self.recompute_log))
                 self.run_body(inputs)
         except _StopRecompute as stop:
             if stop.frame is not self:
@@ -407,6 +439,28 @@ class Frame:
                 f"a checkpointed region saved {count} tensors during its recompute but "
                 f"{len(self.slots)} during its forward. {_DEBUG_TIP}{self._log_tail()}"
             )
+
+    def _check_compiled_recompute(self) -> None:
+        reason = dynamo.eager_reason()
+        if reason is not None:
+            raise CheckpointError(
+                f"region {self.name!r} ran torch.compile'd code in its forward, but its "
+                f"recompute would run it eagerly ({reason}), which saves other tensors. "
+                "Keep the same compiler stance and TorchDispatchModes around the forward "
+                "and the backward."
+            )
+
+    @contextlib.contextmanager
+    def _restoring_state(self) -> Iterator[None]:
+        # Compiled code writes to state inside its graph, where no dispatch mode
+        # can redirect the write: put back what the forward left instead.
+        kept = [(t, t.detach().clone()) for t in self._mutated]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, value in kept:
+                    t.copy_(value)
 
     def _release(self, gid: int) -> None:
         """Forget backward pass ``gid`` (called when it ends)."""

@@ -23,7 +23,15 @@ from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
 from gradckpt.profile.records import Profile, UnitRecord
 
-__all__ = ["SOLVERS", "Solver", "finish", "least_peak_plan", "solve", "solve_dp"]
+__all__ = [
+    "SOLVERS",
+    "Solver",
+    "finish",
+    "least_peak_plan",
+    "solve",
+    "solve_dp",
+    "without_segments",
+]
 
 Solver = Callable[[Profile, int], Plan]
 # Budgets (as shares off the real one) at which the DP is asked, largest first:
@@ -78,22 +86,44 @@ def _where(profile: Profile, position: int) -> str:
 
 
 def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[Plan, Prediction]:
-    """The DP's plan at its least feasible budget, with predictions."""
+    """The leanest plan the solver reaches, with predictions.
+
+    The DP's plan at its least feasible budget, then pushed lower by the
+    simulator-checked repair moves (the DP's model is exact only for the plans
+    it is calibrated on, so its own floor may sit a little above the true one).
+    """
     m = dp.least_feasible()
     if m is None:
         raise BudgetError("no schedule of this model fits even its plain peak (internal)")
     plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+    plan, _ = repair(profile, plan, 0, model)
     return finish(profile, plan, None, "dp")
 
 
+def without_segments(model: ChainModel) -> ChainModel:
+    """The chain with no stage joinable to the one before: the DP then makes no segments.
+
+    A segment recomputes all its units during its last unit's backward; under
+    FSDP the other units' parameters are sharded then, so distributed plans
+    must not contain segments.
+    """
+    stages = tuple(replace(st, joins_previous=False) for st in model.chain.stages)
+    return replace(model, chain=replace(model.chain, stages=stages))
+
+
 def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
-             dp: ChainDP | None = None) -> Plan:  # fmt: skip
+             dp: ChainDP | None = None, segments: bool = True) -> Plan:  # fmt: skip
     """The least-recompute plan whose simulated peak fits ``budget`` bytes.
+
+    ``segments=False``: only single-unit regions (no segments), e.g. for FSDP.
 
     Example:
         >>> plan = solve_dp(prof, 600 << 20)
     """
     model = model or build_chain(profile)
+    if not segments:
+        model = without_segments(model)
+        dp = None
     dp = dp or ChainDP(model.chain)
     top = model.to_units(budget)
     least = dp.least_feasible()
@@ -110,11 +140,14 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
             lowest = plan
             if simulate(profile, plan).peak_bytes <= budget:
                 return finish(profile, polish(profile, plan, budget, model), budget, "dp")[0]
-    # The DP's model is a little off for this plan shape: repair its leanest plan.
-    start, pred = least_peak_plan(profile, model, dp) if lowest is None else (lowest, None)
-    repaired, pred = repair(profile, start, budget, model)
+    # The DP's model is a little off for this plan shape: repair its plans on the simulator.
+    if lowest is not None:
+        repaired, pred = repair(profile, lowest, budget, model)
+        if pred.peak_bytes <= budget:
+            return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
+    leanest, pred = least_peak_plan(profile, model, dp)
     if pred.peak_bytes <= budget:
-        return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
+        return finish(profile, polish(profile, leanest, budget, model), budget, "dp")[0]
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
@@ -222,10 +255,26 @@ SOLVERS: dict[str, Solver] = {
 }
 
 
-def solve(profile: Profile, budget: int, solver: str | Solver = "dp") -> Plan:
-    """Run a solver by name (see ``SOLVERS``) or a solver callable."""
+def solve(
+    profile: Profile, budget: int, solver: str | Solver = "dp", *, segments: bool = True
+) -> Plan:
+    """Run a solver by name (see ``SOLVERS``) or a solver callable.
+
+    ``segments=False`` forbids multi-unit regions: the DP does not make them,
+    and a baseline that does (``sqrt``) is refused.
+    """
     if callable(solver):
-        return solver(profile, budget)
-    if solver not in SOLVERS:
+        chosen = solver(profile, budget)
+    elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
-    return SOLVERS[solver](profile, budget)
+    elif solver == "dp":
+        chosen = solve_dp(profile, budget, segments=segments)
+    else:
+        chosen = SOLVERS[solver](profile, budget)
+    if not segments and any(isinstance(item, Segment) for item in chosen.items):
+        name = solver if isinstance(solver, str) else getattr(solver, "__name__", "solver")
+        raise ValueError(
+            f"the {name} solver made a plan with segments, which segments=False forbids "
+            "(segments cannot run under FSDP); use solver='dp' or a per-block baseline"
+        )
+    return chosen

@@ -29,4 +29,11 @@ __all__ = [
 
 from gradckpt._callable import make_callable
 
-make_callable(__name__, lambda: profile)
+
+def _profile_verb():
+    from gradckpt.api import profile as profile_with_integrations
+
+    return profile_with_integrations
+
+
+make_callable(__name__, _profile_verb)

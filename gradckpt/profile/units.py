@@ -93,16 +93,16 @@ def find_units(model: nn.Module, block_paths: list[str]) -> list[Unit]:
     blocks = set(block_paths)
     ancestors = {p.rsplit(".", i)[0] for p in block_paths for i in range(1, p.count(".") + 1)}
     units: list[Unit] = []
+    seen: set[int] = set()  # a module shared by two parents is one unit (its first path)
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if path in blocks:
-                units.append(Unit(path, child, True))
-            elif path in ancestors:
+            if path in ancestors:
                 visit(path, child)
-            else:
-                units.append(Unit(path, child, False))
+            elif id(child) not in seen:
+                seen.add(id(child))
+                units.append(Unit(path, child, path in blocks))
 
     visit("", model)
     return units

@@ -130,19 +130,6 @@ def test_item26_peak_memory_lower_than_plain():
 # ---------------------------------------------------------------- item 38
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradckpt.CheckpointError,
-    reason=(
-        "Dynamo traces into gradckpt.checkpoint, graph-breaks at torch.get_rng_state "
-        "(capture_state) and compiles the region's fn into an AOT autograd Function; "
-        "that compiled forward saves its own tensors (AOT partitioner's choice and "
-        "order: the weight [4, 4] first) through the region's pack hook, while the "
-        "recompute in backward runs fn eagerly and saves eager's tensors (the input "
-        "[3, 4] first), so the determinism check sees different shapes. Wrapping "
-        "checkpoint in torch._disable_dynamo makes this pass (region runs eagerly)."
-    ),
-)
 def test_item38_works_under_torch_compile_aot_eager():
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
@@ -157,8 +144,14 @@ def test_item38_works_under_torch_compile_aot_eager():
     x.grad = None
     lin.zero_grad(set_to_none=True)
 
+    # The region is a graph break (gradckpt.engine.dynamo): it runs eagerly in its
+    # forward and its recompute alike, so both save eager's tensors; the code
+    # around it compiles. (Before, Dynamo traced into the region and its compiled
+    # forward saved the partitioner's tensors: CheckpointError on a shape mismatch.)
     compiled = torch.compile(lambda t: gradckpt.checkpoint(region, t), backend="aot_eager")
     torch.manual_seed(1)
-    compiled(x).sum().backward()
-    torch._dynamo.reset()
+    try:
+        compiled(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
     assert torch.equal(x.grad, plain[0]) and torch.equal(lin.weight.grad, plain[1])

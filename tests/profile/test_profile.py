@@ -109,3 +109,41 @@ def test_bad_loss_fn_is_refused_clearly():
 def test_callable_package_profiles():
     ex = make("mlp")
     assert gradckpt.profile(ex.model, ex.loss_fn, repeats=1).measured_peak_bytes > 0
+
+
+def test_a_module_shared_by_two_parents_is_one_unit_and_is_left_clean():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h):
+            return torch.tanh(self.lin(h))
+
+    class Stack(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb = emb
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return h
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Linear(8, 8)
+            self.enc, self.dec = Stack(shared), Stack(shared)
+
+        def forward(self, x):
+            return self.dec(self.enc(x))
+
+    model = Model()
+    prof = profile(model, lambda: model(torch.randn(4, 8)).sum(), repeats=1)
+    paths = [u.path for u in prof.units]
+    assert "enc.emb" in paths and "dec.emb" not in paths
+    assert next(u for u in prof.units if u.path == "enc.emb").calls == 2
+    assert all("forward" not in m.__dict__ for m in model.modules())
