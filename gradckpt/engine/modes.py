@@ -190,7 +190,8 @@ class RecomputeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _UNCOUNTED or _is_view(func):
             return func(*args, **kwargs)
-        entry = self.frame.cache.get(replay_key(func, self.occurrences))
+        cache = self.frame.cache  # empty for plain checkpointing: no key to count then
+        entry = cache.get(replay_key(func, self.occurrences)) if cache else None
         if entry is not None and entry.func is func and entry.intact():
             # A fresh alias each time: autograd attaches this recompute's graph to
             # the returned tensor, and the cache must not keep that graph alive.

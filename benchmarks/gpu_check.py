@@ -1,0 +1,404 @@
+"""GPU readiness check: predicted peaks against ``torch.cuda.max_memory_allocated``, in one run.
+
+On a CUDA machine, for GPU-sized models (the zoo GPT and U-Net; GPT-2 small, a
+Llama-3.2-1B-shaped model and ViT-B/16 from transformers configs when
+transformers is installed), it profiles the step, plans it at a few budgets
+(the least feasible peak, halfway to the plain peak, 90% of it) and measures
+each plan's step with the CUDA allocator's counters: stats are reset before the
+step, and the peak is what ``max_memory_allocated`` shows above what was
+allocated before it, plus the parameters and buffers (DESIGN.md's definition).
+Each plan must fit its budget and its prediction must be within 5% of the
+measured peak. Then it runs the frontier benchmark (``benchmarks/frontier.py``'s
+``run_model``) and the Hugging Face benchmark (``benchmarks/hf_models.py``) at GPU
+sizes while time is left (``--time-limit``, default 7 minutes).
+
+Writes ``benchmarks/results/gpu-check-<gpu>-<date>.md`` (and ``.json``).
+
+Without CUDA it exits at once with one line. ``--cpu-dry-run`` runs the same code
+on CPU at tiny sizes, with :class:`gradckpt.measure.MemoryTracker` in place of the
+CUDA counters (which are never read without CUDA).
+
+Usage:
+    python benchmarks/gpu_check.py                 # on a CUDA machine (< 8 minutes)
+    python benchmarks/gpu_check.py --cpu-dry-run   # the same code path on CPU, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+
+import gradckpt
+from gradckpt.measure import MemoryTracker, state_bytes
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MiB = 1 << 20
+TOLERANCE = 0.05  # predicted peak within 5% of the measured one (DESIGN.md's target)
+
+# name -> (GPU sizes, dry-run sizes) for the zoo models
+ZOO = {
+    "gpt": (
+        dict(layers=12, d_model=768, heads=12, seq=1024, vocab=16384, batch=8, dropout=0.1),
+        dict(layers=3, d_model=32, heads=2, seq=32, vocab=128, batch=2, dropout=0.1),
+    ),
+    "unet": (dict(depth=4, base=64, image=256, batch=8), dict(depth=2, base=8, image=32, batch=2)),
+}
+FRONTIER_GPU = {
+    "gpt": dict(layers=12, d_model=1024, heads=16, seq=1024, vocab=8192, batch=8, dropout=0.0),
+    "unet": dict(depth=4, base=64, image=256, batch=8),
+}
+FRONTIER_DRY = {"gpt": dict(layers=3, d_model=32, heads=2, seq=32, vocab=128, batch=2, dropout=0.0)}
+
+Step = Callable[[], Any]
+LossFn = Callable[[], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _hf(kind: str, tiny: bool, device: str) -> tuple[nn.Module, LossFn]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if kind == "gpt2":
+        config = transformers.GPT2Config(**(dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256)
+                                            if tiny else {}))  # fmt: skip
+        cls, shape = transformers.GPT2LMHeadModel, (2, 32) if tiny else (8, 1024)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(
+            **(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+               if tiny else
+               dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    rope_theta=500000.0, tie_word_embeddings=True)),
+        )  # fmt: skip
+        cls, shape = transformers.LlamaForCausalLM, (2, 32) if tiny else (2, 1024)
+    else:
+        config = transformers.ViTConfig(**(dict(hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=2, intermediate_size=128,
+                                                image_size=32, patch_size=8) if tiny else {}))  # fmt: skip
+        cls, shape = transformers.ViTForImageClassification, (2 if tiny else 32,)
+    config.use_cache = False
+    with torch.device(device):
+        model = cls(config).train()
+
+    def loss_fn() -> torch.Tensor:
+        on = next(model.parameters()).device
+        if kind == "vit":
+            size = config.image_size
+            pixels = torch.randn(shape[0], 3, size, size, device=on)
+            labels = torch.randint(0, config.num_labels, (shape[0],), device=on)
+            return model(pixel_values=pixels, labels=labels).loss
+        ids = torch.randint(0, config.vocab_size, shape, device=on)
+        return model(input_ids=ids, labels=ids).loss
+
+    return model, loss_fn
+
+
+def models(dry: bool, device: str) -> dict[str, Callable[[], tuple[nn.Module, LossFn]]]:
+    from gradckpt.testing import make
+
+    out: dict[str, Callable[[], tuple[nn.Module, LossFn]]] = {}
+    for name, (gpu, tiny) in ZOO.items():
+        sizes = tiny if dry else gpu
+
+        def build(name=name, sizes=sizes):
+            ex = make(name, device=device, **sizes)
+            return ex.model, ex.loss_fn
+
+        out[f"zoo-{name}"] = build
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return out
+    for kind in ("gpt2", "llama", "vit"):
+        out[f"hf-{kind}"] = lambda kind=kind: _hf(kind, dry, device)
+    return out
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _clear(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def cuda_peak(model: nn.Module, step: Step) -> int:
+    """Parameters and buffers plus the CUDA allocator's peak above the bytes allocated before."""
+    _clear(model)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    _clear(model)
+    return state_bytes(model) + peak
+
+
+def tracker_peak(model: nn.Module, step: Step) -> int:
+    """The same quantity from the live-storage tracker (CPU, or a cross-check on CUDA)."""
+    _clear(model)
+    with MemoryTracker(model) as tracker:
+        step()
+    _clear(model)
+    return tracker.peak_bytes
+
+
+def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None]) -> dict:
+    """Profile, plan at three budgets, and measure the plain step and each plan."""
+    t0 = time.perf_counter()
+    model, loss_fn = build()
+
+    def step() -> None:
+        torch.manual_seed(0)
+        loss_fn().backward()
+
+    prof = gradckpt.profile(model, loss_fn, repeats=2)
+    plain = prof.measured_peak_bytes
+    from gradckpt.plan.chain import build_chain
+    from gradckpt.plan.dp import ChainDP
+    from gradckpt.plan.solvers import least_peak_plan
+
+    chain = build_chain(prof)
+    least = least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
+    budgets = {"least": least, "halfway": (least + plain) // 2, "90%": int(0.9 * plain)}
+    budgets = {k: b for k, b in budgets.items() if k == "least" or b > least}  # all reachable
+    step()  # warm-up: lazily allocated workspaces (cuBLAS) exist before any measurement
+    _clear(model)
+    rows = []
+    contenders: list[tuple[str, int | None, gradckpt.Plan | None]] = [("plain", None, None)]
+    for label, budget in budgets.items():
+        try:
+            contenders.append((label, budget, gradckpt.plan(model, loss_fn, budget, profile=prof)))
+        except gradckpt.BudgetError as e:
+            rows.append({"budget_label": label, "budget_bytes": budget, "error": str(e)[:200]})
+    for label, budget, plan in contenders:
+        if plan is not None:
+            gradckpt.apply(model, plan)
+        try:
+            predicted = plan.predicted_peak_bytes if plan is not None else plain
+            measured = tracker_peak(model, step) if dry else cuda_peak(model, step)
+            tracked = tracker_peak(model, step)
+        finally:
+            gradckpt.remove(model)
+        error = (predicted - measured) / measured
+        fits = budget is None or measured <= budget
+        rows.append({
+            "budget_label": label, "budget_bytes": budget,
+            "plan": _describe(plan) if plan is not None else "no checkpointing",
+            "predicted_bytes": predicted, "measured_bytes": measured, "tracker_bytes": tracked,
+            "error": error, "fits_budget": fits,
+            "ok": fits and abs(error) <= TOLERANCE,
+        })  # fmt: skip
+        log(f"  {name} {label:<8} predicted {predicted / MiB:10.1f} MiB, measured "
+            f"{measured / MiB:10.1f} MiB ({error:+.1%}), tracker {tracked / MiB:10.1f} MiB"
+            f"{'' if fits else ', OVER BUDGET'}")  # fmt: skip
+    del model
+    return {"model": name, "params": prof.param_bytes, "plain_peak_profiled": plain,
+            "blocks": len(prof.blocks), "rows": rows,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def _describe(plan: gradckpt.Plan) -> str:
+    from gradckpt.plan.plan import Segment
+
+    modes = [u.mode for u in plan.units]
+    parts = [f"{modes.count(m)} {m}" for m in ("recompute", "selective") if modes.count(m)]
+    segments = sum(isinstance(i, Segment) for i in plan.items)
+    parts += [f"{segments} segment(s)"] if segments else []
+    return ", ".join(parts) or "all kept"
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def run_frontier(dry: bool, device: str, log: Callable[[str], None]) -> list[dict]:
+    """``benchmarks/frontier.py``'s ``run_model`` at GPU sizes (tiny in a dry run)."""
+    from benchmarks import frontier
+
+    args = argparse.Namespace(profile_repeats=2, warmup=1, repeats=2 if dry else 5, seed=0)
+    out = []
+    for name, sizes in (FRONTIER_DRY if dry else FRONTIER_GPU).items():
+        result = frontier.run_model(name, {**sizes, "device": device}, args, log=log)
+        out.append({"model": name, "budgets": result["budgets"]})
+    return out
+
+
+def run_hf_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str], None]) -> str:
+    script = HERE / "hf_models.py"
+    if not script.is_file():
+        return "benchmarks/hf_models.py is missing: skipped"
+    cmd = [sys.executable, str(script), "--out", str(outdir)] + (["--quick"] if dry else [])
+    log(f"  running {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return f"hf_models.py did not finish in {timeout:.0f} s: stopped"
+    if proc.returncode != 0:
+        return f"hf_models.py failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return "hf_models.py: done, results in " + str(outdir)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:.2f}"
+
+
+def report(gpu: str, checks: list[dict], frontier: list[dict], notes: list[str], info: dict) -> str:
+    lines = [
+        f"# gradckpt GPU check: {gpu} ({info['date']})",
+        "",
+        "Predicted peak (`simulate`) against the measured peak: parameters and buffers plus "
+        + ("the live-storage tracker's peak (CPU dry run)" if info["dry_run"] else
+           "`torch.cuda.max_memory_allocated()` above `memory_allocated()` before the step "
+           "(stats reset before each step, after a warm-up step)")
+        + f". A row passes when the plan fits its budget and the prediction is within "
+        f"{TOLERANCE:.0%}.",
+        "",
+        "| model | budget | budget (MiB) | plan | predicted (MiB) | measured (MiB) | tracker (MiB) "
+        "| error | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for check in checks:
+        for r in check["rows"]:
+            if "error" in r and isinstance(r["error"], str):
+                lines.append(f"| {check['model']} | {r['budget_label']} | "
+                             f"{_mib(r['budget_bytes'])} | no plan: {r['error'][:80]} "
+                             "| - | - | - | - | **missed** |")  # fmt: skip
+                continue
+            lines.append(
+                f"| {check['model']} | {r['budget_label']} | {_mib(r['budget_bytes'])} | "
+                f"{r['plan']} | {_mib(r['predicted_bytes'])} | {_mib(r['measured_bytes'])} | "
+                f"{_mib(r['tracker_bytes'])} | {r['error']:+.1%} | "
+                f"{'**met**' if r['ok'] else '**missed**'} |"
+            )
+    if frontier:
+        lines += ["", "## Frontier benchmark at these sizes (`benchmarks/frontier.py`)", "",
+                  "| model | budget | budget (MiB) | gradckpt peak (MiB) | predicted (MiB) | "
+                  "time / plain | best fitting baseline |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for f in frontier:
+            for b in f["budgets"]:
+                ratio = b.get("gradckpt_ratio")
+                lines.append(
+                    f"| {f['model']} | {b['label']} | {_mib(b['budget_bytes'])} | "
+                    f"{_mib(b.get('gradckpt_peak'))} | {_mib(b.get('gradckpt_predicted_peak'))} | "
+                    f"{'-' if ratio is None else f'{ratio:.3f}'} | {b.get('best_baseline') or '-'} |"
+                )
+    lines += ["", "## Notes", "", *(f"- {n}" for n in notes), "", "## Setup", ""]
+    lines += [f"- **{k}**: {v}" for k, v in info.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the same code on CPU at tiny sizes (MemoryTracker for the counters)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=420.0,
+        help="seconds after which no new model or benchmark starts (default: 420)",
+    )
+    p.add_argument(
+        "--skip-benchmarks",
+        action="store_true",
+        help="only the prediction check (not frontier.py / hf_models.py)",
+    )
+    p.add_argument("--models", default=None, help="comma-separated subset of the checked models")
+    args = p.parse_args(argv)  # fmt: skip
+    dry = args.cpu_dry_run
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here, nothing to check (--cpu-dry-run runs the same "
+              "code on CPU)")  # fmt: skip
+        return 0
+    started = time.perf_counter()
+    device = "cpu" if dry else "cuda"
+    gpu = "cpu-dry-run" if dry else torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    date = datetime.date.today().isoformat()
+    notes: list[str] = []
+
+    def left() -> float:
+        return args.time_limit - (time.perf_counter() - started)
+
+    checks = []
+    chosen = models(dry, device)
+    if args.models:
+        wanted = [m.strip() for m in args.models.split(",")]
+        unknown = [m for m in wanted if m not in chosen]
+        if unknown:
+            p.error(f"unknown model(s) {unknown}; choose from {sorted(chosen)}")
+        chosen = {m: chosen[m] for m in wanted}
+    if not any(name.startswith("hf-") for name in chosen) and not args.models:
+        notes.append("transformers is not installed: the Hugging Face models were skipped")
+    for name, build in chosen.items():
+        if left() <= 0:
+            notes.append(f"{name}: skipped, out of time")
+            continue
+        print(f"{name}: profiling and measuring", flush=True)
+        try:
+            checks.append(check_model(name, build, dry, print))
+        except Exception as e:  # one model's failure must not hide the others' results
+            notes.append(f"{name}: failed with {type(e).__name__}: {str(e)[:300]}")
+            print(f"  {name} failed: {type(e).__name__}: {e}", flush=True)
+        if not dry:
+            torch.cuda.empty_cache()
+    frontier: list[dict] = []
+    if not args.skip_benchmarks:
+        if left() > 60:
+            try:
+                frontier = run_frontier(dry, device, lambda s: print(s, flush=True))
+            except Exception as e:
+                notes.append(f"frontier benchmark failed: {type(e).__name__}: {str(e)[:300]}")
+        else:
+            notes.append("frontier benchmark: skipped, out of time")
+        if left() > 30:
+            notes.append(run_hf_benchmark(dry, args.out, left(), print))
+        else:
+            notes.append("hf_models benchmark: skipped, out of time")
+    rows = [r for c in checks for r in c["rows"]]
+    passed = sum(bool(r.get("ok")) for r in rows)
+    notes.insert(0, f"{passed}/{len(rows)} rows met the target")
+    info = {
+        "date": date, "gpu": gpu, "dry_run": dry, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "gradckpt": gradckpt.__version__,
+        "wall_time_s": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = args.out / f"gpu-check-{slug}-{date}.md"
+    md.write_text(report(gpu, checks, frontier, notes, info))
+    md.with_suffix(".json").write_text(json.dumps(
+        {"info": info, "checks": checks, "frontier": frontier, "notes": notes}, indent=1,
+        default=str))  # fmt: skip
+    print(f"{passed}/{len(rows)} rows met the target; wrote {md}")
+    return 0 if passed == len(rows) and rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""HF benchmark: gradckpt.fit against transformers' own checkpointing, five models on CPU.
+
+For GPT-2, Llama, BERT, ViT and T5 (built from configs, random weights), four
+contenders, each on its own copy of the model (same seed, weights and batch,
+``use_cache`` off as in training):
+
+* ``plain``: no checkpointing;
+* ``hf``: transformers' own switch, ``activation_checkpointing_enable({"use_reentrant":
+  False})`` (the 5.x name of ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+  ...)``; every layer is one checkpoint);
+* ``gradckpt@hf``: ``gradckpt.fit`` with the budget transformers reached (its measured peak);
+* ``gradckpt@half``: ``gradckpt.fit`` with the budget halfway between that and plain.
+
+Targets: every gradckpt peak within its budget; at transformers' peak, overhead
+no worse than transformers'; at the halfway budget, at most half of it.
+
+Usage:
+    python -m benchmarks.hf_models --repeats 5  # full run (~10 min on a loaded 2-core CPU)
+    python -m benchmarks.hf_models --quick    # smoke test (< 60 s)
+    python -m benchmarks.hf_models --models gpt2 t5
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import gradckpt
+from benchmarks.common import (
+    base_parser,
+    fmt_ratio,
+    info_block,
+    load_average,
+    machine_info,
+    make_step,
+    markdown_table,
+    mib,
+    settle,
+    verdict,
+    write_results,
+)
+from gradckpt.measure import ratio, time_interleaved
+
+MODELS = ("gpt2", "llama", "bert", "vit", "t5")
+# Sizes for a 0.5-3 s step on one CPU thread.
+FULL: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+    "llama": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+    "bert": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+    "vit": dict(layers=8, hidden=384, heads=6, image=160, patch=16, batch=8),
+    "t5": dict(layers=4, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+}
+QUICK: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=3, hidden=64, seq=64, batch=2),
+    "llama": dict(layers=3, hidden=64, seq=64, batch=2),
+    "bert": dict(layers=3, hidden=64, seq=64, batch=2),
+    "vit": dict(layers=3, hidden=64, image=64, patch=8, batch=2),
+    "t5": dict(layers=2, hidden=64, seq=64, batch=2),
+}
+CONTENDERS = ("plain", "hf", "gradckpt@hf", "gradckpt@half")
+DESCRIPTIONS = {
+    "plain": "no checkpointing",
+    "hf": "transformers activation_checkpointing_enable(use_reentrant=False)",
+    "gradckpt@hf": "gradckpt.fit, budget = hf's measured peak",
+    "gradckpt@half": "gradckpt.fit, budget = halfway between hf's peak and plain",
+}
+
+
+@dataclass
+class Run:
+    """One contender on one model."""
+
+    name: str
+    example: Any
+    peak_bytes: int = 0
+    grad_diff: float = 0.0
+    budget_bytes: int | None = None
+    plan: gradckpt.Plan | None = None
+    plan_s: float = 0.0
+    error: str = ""
+    ratio: float | None = None
+    min_ratio: float | None = None
+    median_s: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def within_budget(self) -> bool | None:
+        if self.budget_bytes is None or self.error:
+            return None if not self.error else False
+        return self.peak_bytes <= self.budget_bytes
+
+
+def _hf_enable(model: torch.nn.Module) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _measure(run: Run, seed: int, plain: Run | None) -> None:
+    from gradckpt.integrations.hf_zoo import run_step
+
+    step = run_step(run.example, seed)
+    run.peak_bytes = step.peak_bytes
+    run.info["step"] = step
+    if plain is not None:
+        run.grad_diff = step.max_grad_diff(plain.info["step"])
+
+
+def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[str, Run]:
+    """Build, install, measure and time the four contenders on one model."""
+    from gradckpt.integrations import hf
+    from gradckpt.integrations.hf_zoo import hf_example
+
+    def build() -> Any:
+        ex = hf_example(name, dropout=args.dropout, **sizes)
+        hf.disable_cache(ex.model)  # as in training (fit would do it anyway)
+        return ex
+
+    runs = {c: Run(c, build()) for c in CONTENDERS}
+    plain, hf_run = runs["plain"], runs["hf"]
+    _measure(plain, args.seed, None)
+    _hf_enable(hf_run.example.model)
+    _measure(hf_run, args.seed, plain)
+    budgets = {
+        "gradckpt@hf": hf_run.peak_bytes,
+        "gradckpt@half": (hf_run.peak_bytes + plain.peak_bytes) // 2,
+    }
+    # One profile serves both budgets (same architecture, weights and batch); the
+    # planning context is what gradckpt.fit uses (no KV cache while profiling).
+    started = time.perf_counter()
+    with hf.planning(runs["gradckpt@hf"].example.model):
+        ex = runs["gradckpt@hf"].example
+        prof = gradckpt.profile(ex.model, ex.loss_fn)
+    profile_s = time.perf_counter() - started
+    for contender, budget in budgets.items():
+        run = runs[contender]
+        run.budget_bytes = budget
+        started = time.perf_counter()
+        try:
+            run.plan = gradckpt.fit(
+                run.example.model, run.example.loss_fn, budget=budget, profile=prof
+            )
+        except gradckpt.BudgetError as exc:
+            run.error = str(exc)
+            log(f"  {contender}: {exc}")
+            continue
+        run.plan_s = profile_s + time.perf_counter() - started
+        # The planner's view of the baseline at the same budget: does the DP pick
+        # a plan it predicts cheaper than checkpointing every layer?
+        try:
+            every = gradckpt.plan(
+                run.example.model, run.example.loss_fn, budget, profile=prof,
+                solver="every_block",
+            )  # fmt: skip
+            run.info["every_block_predicted_overhead"] = every.predicted_overhead
+        except gradckpt.BudgetError:
+            run.info["every_block_predicted_overhead"] = None
+        _measure(run, args.seed, plain)
+    for run in runs.values():
+        if not run.error:
+            log(
+                f"  peak {run.name:<14} {mib(run.peak_bytes):>9} MiB"
+                + (f"  budget {mib(run.budget_bytes)} MiB" if run.budget_bytes else "")
+                + f"  max|dgrad| {run.grad_diff:.2e}"
+            )
+    steps = {c: make_step(r.example, args.seed) for c, r in runs.items() if not r.error}
+    log(
+        f"  timing {len(steps)} contenders interleaved: {args.warmup} warm-up, {args.repeats} rounds"
+    )
+    timings = time_interleaved(steps, warmup=args.warmup, repeats=args.repeats)
+    for c, timing in timings.items():
+        runs[c].median_s = timing.median
+        runs[c].ratio = ratio(timing, timings["plain"])
+        runs[c].min_ratio = min(timing.times) / min(timings["plain"].times)
+    for run in runs.values():
+        run.info.pop("step", None)
+        for p in run.example.model.parameters():
+            p.grad = None
+    return runs
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _overhead(run: Run) -> float | None:
+    return None if run.ratio is None else run.ratio - 1.0
+
+
+def targets(runs: dict[str, Run]) -> list[tuple[str, str, str, bool]]:
+    """(target, wanted, measured, met) for one model."""
+    hf_over = _overhead(runs["hf"])
+    at_hf, half = runs["gradckpt@hf"], runs["gradckpt@half"]
+    rows = []
+    for run in (at_hf, half):
+        measured = (
+            run.error.split(":")[0]
+            if run.error
+            else f"{mib(run.peak_bytes)} <= {mib(run.budget_bytes)} MiB"
+        )
+        rows.append(
+            (f"{run.name} within budget", "peak <= budget", measured, bool(run.within_budget))
+        )
+    o_hf = _overhead(at_hf)
+    rows.append(
+        (
+            "gradckpt@hf overhead <= hf's",
+            f"<= {hf_over:+.1%}",
+            "n/a" if o_hf is None else f"{o_hf:+.1%}",
+            o_hf is not None and o_hf <= hf_over,
+        )
+    )
+    o_half = _overhead(half)
+    rows.append(
+        (
+            "gradckpt@half overhead <= hf's / 2",
+            f"<= {hf_over / 2:+.1%}",
+            "n/a" if o_half is None else f"{o_half:+.1%}",
+            o_half is not None and o_half <= hf_over / 2,
+        )
+    )
+    return rows
+
+
+def model_table(runs: dict[str, Run]) -> str:
+    base = runs["plain"].peak_bytes
+    rows = []
+    for run in runs.values():
+        pred = run.plan.predicted_peak_bytes if run.plan else None
+        rows.append(
+            (
+                f"`{run.name}`",
+                "n/a" if run.budget_bytes is None else mib(run.budget_bytes),
+                "n/a" if run.error else mib(run.peak_bytes),
+                "n/a" if run.error else f"{run.peak_bytes / base:.3f}",
+                {None: "", True: "yes", False: "**no**"}[run.within_budget],
+                "n/a" if run.median_s is None else f"{run.median_s:.3f}",
+                fmt_ratio(run.ratio),
+                fmt_ratio(run.min_ratio),
+                "n/a" if run.error else f"{run.grad_diff:.1e}",
+                "" if pred is None else f"{(pred - run.peak_bytes) / run.peak_bytes:+.2%}",
+                "" if run.plan is None else f"{run.plan.predicted_overhead:+.1%}",
+                _pct(run.info.get("every_block_predicted_overhead")),
+                f"{run.plan_s:.1f}" if run.plan else "",
+            )
+        )
+    return markdown_table(
+        [
+            "contender", "budget (MiB)", "peak (MiB)", "peak / plain", "within budget",
+            "median step (s)", "time / plain", "fastest / plain's fastest", "max abs dgrad",
+            "peak prediction error", "predicted overhead", "every-layer predicted overhead",
+            "plan time (s)",
+        ],
+        rows,
+    )  # fmt: skip
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{value:+.1%}"
+
+
+def _plan_modes(plan: gradckpt.Plan | None) -> str:
+    if plan is None:
+        return "n/a"
+    from collections import Counter
+
+    modes = Counter(u.mode for u in plan.units)
+    segments = sum(isinstance(i, gradckpt.Segment) for i in plan.items)
+    return ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + f", {segments} segment(s)"
+
+
+def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tuple[str, dict]:
+    parts = [
+        f"# HF models: gradckpt.fit vs transformers' checkpointing, CPU ({info['date']})",
+        "Each contender runs on its own copy of the model (same seed, weights and batch; "
+        "`use_cache=False` as in training). Peaks: one untimed step under "
+        "`gradckpt.measure.MemoryTracker` (params+buffers + peak live created storage), the "
+        "definition gradckpt plans with. Times: interleaved rounds, median after warm-up, as a "
+        "ratio over `plain` in the same rounds (`fastest / plain's fastest`: the least "
+        "disturbed runs; verdicts use the medians). `max abs dgrad`: largest gradient "
+        "difference from `plain` (same seed).",
+        "Contenders: " + "; ".join(f"`{c}`: {d}" for c, d in DESCRIPTIONS.items()) + ".",
+    ]
+    summary = []
+    data: dict[str, Any] = {"info": info, "models": {}}
+    for name, runs in all_runs.items():
+        rows = targets(runs)
+        parts += [
+            f"## {name}",
+            f"Sizes: {sizes[name]}. Blocks: {len(runs['plain'].example.block_paths)} "
+            f"(`{runs['plain'].example.block_paths[0]}` ...). Plans: "
+            f"`gradckpt@hf` {_plan_modes(runs['gradckpt@hf'].plan)}; "
+            f"`gradckpt@half` {_plan_modes(runs['gradckpt@half'].plan)}.",
+            model_table(runs),
+            markdown_table(
+                ["target", "wanted", "measured", "verdict"],
+                [(t, w, m, verdict(ok)) for t, w, m, ok in rows],
+            ),
+        ]
+        summary += [(name, t, w, m, verdict(ok)) for t, w, m, ok in rows]
+        data["models"][name] = {
+            "sizes": sizes[name],
+            "blocks": runs["plain"].example.block_paths,
+            "runs": {
+                c: {
+                    "peak_bytes": r.peak_bytes,
+                    "budget_bytes": r.budget_bytes,
+                    "within_budget": r.within_budget,
+                    "median_s": r.median_s,
+                    "ratio": r.ratio,
+                    "min_ratio": r.min_ratio,
+                    "grad_max_abs_diff": r.grad_diff,
+                    "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
+                    "predicted_overhead": r.plan.predicted_overhead if r.plan else None,
+                    "every_block_predicted_overhead": r.info.get("every_block_predicted_overhead"),
+                    "plan_s": r.plan_s,
+                    "error": r.error,
+                }
+                for c, r in runs.items()
+            },
+            "targets": [dict(target=t, wanted=w, measured=m, met=ok) for t, w, m, ok in rows],
+        }
+    met = sum(1 for row in summary if row[-1] == verdict(True))
+    parts[3:3] = [
+        "## Targets",
+        f"{met} of {len(summary)} met.",
+        markdown_table(["model", "target", "wanted", "measured", "verdict"], summary),
+    ]
+    parts += ["## Setup", info_block(info)]
+    return "\n\n".join(parts), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout of every config (default %(default)s: SDPA takes the flash kernel on CPU)",
+    )
+    # One thread by default: on 2 shared cores, two OpenMP threads of one step wait on
+    # each other whenever another process runs, and steps got 3-7x slower and noisy.
+    p.set_defaults(threads=1)
+    args = p.parse_args(argv)
+    settle(args)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # config chatter, not results
+    warnings.filterwarnings("ignore", message="gradckpt.fit on")  # the use_cache message
+    table = QUICK if args.quick else FULL
+    sizes = {name: table[name] for name in args.models}
+    load_before = load_average()
+    started = time.perf_counter()
+    all_runs = {}
+    for name in args.models:
+        print(f"{name}: {sizes[name]}", flush=True)
+        all_runs[name] = bench_model(name, sizes[name], args)
+    wall = time.perf_counter() - started
+    info = machine_info(
+        transformers=transformers.__version__,
+        models=", ".join(args.models),
+        dropout=args.dropout,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        quick=args.quick,
+        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
+        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
+        wall_time_s=round(wall, 1),
+    )
+    md, data = report(all_runs, sizes, info)
+    md_path, json_path = write_results(args.out, "hf", md, data)
+    print(md)
+    print(f"\nwrote {md_path} and {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

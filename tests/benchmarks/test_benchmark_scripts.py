@@ -1,0 +1,84 @@
+"""Smoke tests: each benchmark script runs in --quick mode and writes its report.
+
+They check that the scripts work and write the expected tables; they never
+assert on the measured numbers (those belong in the results files).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATE = datetime.date.today().isoformat()
+
+
+def _run(module: str, out: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        # One thread: on a shared 2-core machine two OpenMP threads of a tiny model
+        # spin against other processes and the smoke test slows down threefold.
+        [sys.executable, "-m", module, "--quick", "--threads", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _written(out: Path, what: str) -> tuple[str, dict]:
+    md = sorted(out.glob(f"{what}-cpu-*.md"))  # dated when written: may cross midnight
+    assert len(md) == 1, f"expected one {what} report in {out}, found {md}"
+    assert md[0].name in {f"{what}-cpu-{DATE}.md", f"{what}-cpu-{datetime.date.today()}.md"}
+    data = json.loads(md[0].with_suffix(".json").read_text())
+    return md[0].read_text(), data
+
+
+def test_engine_quick_writes_report(tmp_path: Path) -> None:
+    proc = _run("benchmarks.engine", tmp_path)
+    text, data = _written(tmp_path, "engine")
+    header = "| contender | what | median step (s) | time / plain | fastest / plain's fastest |"
+    assert header in text
+    assert "| target | wanted | measured (medians) | fastest runs | verdict (medians) |" in text
+    for name in ("plain", "torch_full", "gradckpt_full", "gradckpt_save_all",
+                 "gradckpt_save_matmuls", "torch_sac_matmuls"):  # fmt: skip
+        assert f"`{name}`" in text
+        assert data["results"][name]["peak_bytes"] > 0
+    assert data["info"]["quick"] is True
+    assert "cpu" in data["info"] and "torch" in data["info"]
+    assert "time / plain" in proc.stdout  # the table is printed too
+    # --from-json re-renders the same report without measuring
+    again = tmp_path / "again"
+    saved = next(tmp_path.glob("engine-cpu-*.json"))
+    rerun = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine", "--from-json", str(saved), "--out", str(again)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _written(again, "engine")[0] == text
+
+
+def test_frontier_quick_writes_report_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    proc = _run("benchmarks.frontier", tmp_path)
+    text, data = _written(tmp_path, "frontier")
+    assert "| budget | budget (MiB) | gradckpt plan |" in text
+    assert "| contender | least | every_block | 25% | 50% | 75% | plain |" in text
+    assert "| target | wanted | measured | verdict |" in text
+    assert "## Planning time (profile excluded)" in text
+    assert [m["model"] for m in data["models"]] == ["gpt", "gpt_act", "unet"]
+    for model in data["models"]:
+        assert [b["label"] for b in model["budgets"]] == [
+            "least",
+            "every_block",
+            "25%",
+            "50%",
+            "75%",
+            "plain",
+        ]
+    pngs = list(tmp_path.glob("frontier-cpu-*.png"))
+    assert len(pngs) == 1 and pngs[0].stat().st_size > 0
+    assert "wrote" in proc.stdout

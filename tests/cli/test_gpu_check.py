@@ -1,0 +1,45 @@
+"""``benchmarks/gpu_check.py``: one line and exit 0 without CUDA; ``--cpu-dry-run`` runs the same
+code on CPU (MemoryTracker for the CUDA counters) and writes the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .conftest import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_without_cuda_it_exits_with_one_line():
+    proc = _run()
+    assert proc.returncode == 0
+    assert len(proc.stdout.splitlines()) == 1 and "no CUDA" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_cpu_dry_run_writes_the_report(tmp_path):
+    proc = _run("--cpu-dry-run", "--skip-benchmarks", "--models", "zoo-gpt", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (md,) = tmp_path.glob("gpu-check-cpu-dry-run-*.md")
+    text = md.read_text()
+    assert "| model | budget | budget (MiB) | plan | predicted (MiB) | measured (MiB)" in text
+    data = json.loads(md.with_suffix(".json").read_text())
+    (check,) = data["checks"]
+    labels = [r["budget_label"] for r in check["rows"]]
+    assert labels[:2] == ["plain", "least"]
+    for row in check["rows"]:
+        assert row["ok"], row
+        assert row["measured_bytes"] == row["tracker_bytes"]  # the dry run's counter is the tracker
