@@ -326,22 +326,6 @@ def fit_for_ddp(
 # -------------------------------------------------------------- measurement
 
 
-def _local_bytes(model: nn.Module | None) -> int:
-    """This rank's parameter and buffer bytes: DTensor shards by their local part."""
-    if model is None:
-        return 0
-    sizes: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        local = getattr(t, "_local_tensor", None)
-        t = local if local is not None else t
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
-
-
 class RankMemoryTracker(MemoryTracker):
     """:class:`~gradckpt.measure.MemoryTracker` for one rank of an FSDP2 (or DDP) step.
 
@@ -358,8 +342,7 @@ class RankMemoryTracker(MemoryTracker):
     """
 
     def __enter__(self) -> RankMemoryTracker:
-        super().__enter__()
-        self.param_bytes = _local_bytes(self.model)
+        super().__enter__()  # param_bytes: state_bytes counts DTensors by their local shard
         self._resized: dict[int, int] = {}  # storage key -> virtual allocation key
         self._original_resize = torch.UntypedStorage.resize_
         tracker = self

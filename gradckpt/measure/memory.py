@@ -44,7 +44,8 @@ def _model_tensors(model: nn.Module | None) -> Iterable[torch.Tensor]:
 def state_bytes(model: nn.Module | None) -> int:
     """Bytes of ``model``'s parameters and buffers, each storage counted once.
 
-    Tied weights and parameters that are views of one flat storage count once.
+    Tied weights and parameters that are views of one flat storage count once;
+    a sharded parameter (DTensor) counts its local shard.
 
     Example:
         >>> state_bytes(nn.Linear(4, 2))  # 8 weights + 2 biases, float32
@@ -52,6 +53,9 @@ def state_bytes(model: nn.Module | None) -> int:
     """
     sizes: dict[int, int] = {}
     for t in _model_tensors(model):
+        # A sharded parameter (DTensor, e.g. under FSDP2) holds only its local shard.
+        local = getattr(t, "_local_tensor", None)
+        t = local if local is not None else t
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
