@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradckpt.engine import dynamo
 from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
-from gradckpt.engine.frame import CheckpointError, Frame, active_frame
+from gradckpt.engine.frame import Frame
+from gradckpt.engine.holders import CheckpointError, active_frame
 
 __all__ = [
     "SegmentSpec",
@@ -351,13 +352,13 @@ def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _stack_depth() -> int:
-    from gradckpt.engine.frame import _stack
+    from gradckpt.engine.holders import region_stack as _stack
 
     return len(_stack())
 
 
 def _close_segments_above(depth: int, exc: BaseException | None) -> bool:
-    from gradckpt.engine.frame import _stack
+    from gradckpt.engine.holders import region_stack as _stack
 
     closed = False
     stack = _stack()

@@ -2,7 +2,8 @@
 
 from gradckpt.engine.checkpoint import checkpoint, checkpoint_sequential
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, TAG, Decision, PolicyContext
-from gradckpt.engine.frame import CheckpointError, Frame, active_frame, in_region_forward, tag
+from gradckpt.engine.frame import Frame, tag
+from gradckpt.engine.holders import CheckpointError, active_frame, in_region_forward
 from gradckpt.engine.modes import counts_as_op
 
 __all__ = [

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradckpt.engine import dynamo
-from gradckpt.engine.frame import Frame, in_region_forward
+from gradckpt.engine.frame import Frame
+from gradckpt.engine.holders import in_region_forward
 
 __all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
 

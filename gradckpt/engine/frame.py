@@ -2,7 +2,7 @@
 
 A *region* (a :class:`Frame`) is a stretch of forward computation whose saved
 tensors are not kept. While it runs, ``saved_tensors_hooks`` replace every
-tensor autograd wants to save by an empty :class:`_Holder`. The first time
+tensor autograd wants to save by an empty holder (:mod:`gradckpt.engine.holders`). The first time
 backward unpacks one of them, the region runs again from its kept inputs
 (once per backward pass) and fills all its holders; each value is dropped as
 soon as backward has unpacked it.
@@ -20,8 +20,6 @@ each block is either kept or checkpointed again.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -31,41 +29,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import SAVE, TAG, PolicyContext, as_decision
+from gradckpt.engine.holders import (
+    DEBUG_TIP,
+    CheckpointError,
+    Deferred,
+    Holder,
+    active_frame,
+    in_region_forward,
+    meta,
+    region_stack,
+    unpack,
+)
 from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
 from gradckpt.engine.state import ReplayState, capture_state
 
 __all__ = ["CheckpointError", "Frame", "active_frame", "in_region_forward", "tag"]
-
-
-class CheckpointError(RuntimeError):
-    """The recompute of a region did not reproduce what its forward saved."""
-
-
-_DEBUG_TIP = (
-    "The region must run the same ops on the same shapes in its recompute as in its "
-    "forward (no data-dependent control flow on changed state). Pass debug=True to "
-    "gradckpt.checkpoint to see both op sequences."
-)
-
-
-class _Holder:
-    """Stands in for one saved tensor in the autograd graph; filled per backward pass."""
-
-    __slots__ = ("__weakref__", "meta", "owner", "values")
-
-    def __init__(self, owner: Frame, meta: Any) -> None:
-        self.owner = owner  # keeps the region (its inputs) alive while the graph needs it
-        self.meta = meta
-        self.values: dict[int, Any] = {}
-
-
-class _Deferred:
-    """A holder's value for this backward pass will come from ``frame``'s recompute."""
-
-    __slots__ = ("frame",)
-
-    def __init__(self, frame: Frame) -> None:
-        self.frame = frame
 
 
 class _StopRecompute(Exception):
@@ -73,70 +51,7 @@ class _StopRecompute(Exception):
         self.frame = frame
 
 
-_CONSUMED = object()
-_MISSING = object()
 _TENSOR_SLOT = object()  # marks where a tensor input goes in a frame's input template
-_LOCAL = threading.local()
-_fresh_ids = itertools.count(start=1 << 62)
-
-
-def _stack() -> list[tuple[Frame, int | None]]:
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    return stack
-
-
-def active_frame() -> tuple[Frame, int | None] | None:
-    """The innermost running region and its backward id (None during its forward)."""
-    stack = _stack()
-    return stack[-1] if stack else None
-
-
-def in_region_forward() -> bool:
-    """True while a region runs its forward: regions opened there are no-ops."""
-    top = active_frame()
-    return top is not None and top[1] is None
-
-
-def _graph_id() -> int:
-    gid = torch._C._current_graph_task_id()
-    # Unpacking outside backward (e.g. reading grad_fn._saved_*) gets a fresh
-    # id, so it recomputes rather than reading a stale pass.
-    return next(_fresh_ids) if gid == -1 else gid
-
-
-def _meta(x: torch.Tensor) -> tuple:
-    return (x.shape, x.dtype, x.device)
-
-
-def _unpack(packed: Any) -> Any:
-    if not isinstance(packed, _Holder):
-        return packed  # a tensor saved by a recompute's own graph (backward inside a region)
-    holder = packed
-    gid = _graph_id()
-    value = holder.values.get(gid, _MISSING)
-    if value is _MISSING:
-        holder.owner.recompute(gid)
-        value = holder.values.get(gid, _MISSING)
-    while type(value) is _Deferred:
-        value.frame.recompute(gid)
-        resolved = holder.values.get(gid, _MISSING)
-        if resolved is value:
-            raise CheckpointError("internal: a nested region did not fill its saved tensor")
-        value = resolved
-    if value is _CONSUMED:
-        raise CheckpointError(
-            "a checkpointed tensor was unpacked twice in one backward pass; if you read "
-            "ctx.saved_tensors in a custom autograd.Function, read it once per backward."
-        )
-    if value is _MISSING:
-        raise CheckpointError(
-            "the recompute of a checkpointed region did not produce a tensor its forward "
-            f"saved. {_DEBUG_TIP}"
-        )
-    holder.values[gid] = _CONSUMED
-    return value
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -200,7 +115,7 @@ class Frame:
         self.parent: tuple[Frame, int] | None = (
             (top[0], top[1]) if top is not None and top[1] is not None else None
         )
-        self.slots: list[weakref.ref[_Holder] | None] = []
+        self.slots: list[weakref.ref[Holder] | None] = []
         self.cache: dict[tuple[Any, int], CacheEntry] = {}  # by modes.replay_key
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.op_count = 0
@@ -271,7 +186,7 @@ class Frame:
                 forward_context, self._recompute_context = self.context_fn()
                 stack.enter_context(forward_context)
             pack = self._pack_forward if self.parent is None else self._pack_nested
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             if self.policy is not None:
                 stack.enter_context(PolicyMode(self))
             if self.forward_log is not None:
@@ -280,8 +195,8 @@ class Frame:
                 self.ran_compiled = dynamo.eager_reason() is None
                 if self.state is not None:
                     self._state_versions = [(t, t._version) for t in self.state()]
-            _stack().append((self, None))
-            stack.callback(_stack().pop)
+            region_stack().append((self, None))
+            stack.callback(region_stack().pop)
         except BaseException:
             stack.close()
             raise
@@ -313,14 +228,14 @@ class Frame:
             raise
         self.end()
 
-    def _pack_forward(self, x: torch.Tensor) -> _Holder:
-        holder = _Holder(self, _meta(x) if self.check_metadata else None)
+    def _pack_forward(self, x: torch.Tensor) -> Holder:
+        holder = Holder(self, meta(x) if self.check_metadata else None)
         self.slots.append(weakref.ref(holder))
         return holder
 
     def _pack_nested(self, x: torch.Tensor) -> Any:
         parent, gid = self.parent
-        holder = parent._fill(gid, _Deferred(self), x)
+        holder = parent._fill(gid, Deferred(self), x)
         self.slots.append(weakref.ref(holder) if holder is not None else None)
         parent._maybe_stop(gid)
         return holder if holder is not None else x.detach()
@@ -344,7 +259,7 @@ class Frame:
         """Rerun the region from its inputs (subclasses replay differently)."""
         return self.body(inputs)
 
-    def _fill(self, gid: int, value: Any, x: torch.Tensor) -> _Holder | None:
+    def _fill(self, gid: int, value: Any, x: torch.Tensor) -> Holder | None:
         index = self.counters[gid]
         self.counters[gid] = index + 1
         if index >= len(self.slots):
@@ -355,17 +270,17 @@ class Frame:
                 return None
             raise CheckpointError(
                 "a checkpointed region saved more tensors during its recompute than during "
-                f"its forward ({len(self.slots)}). {_DEBUG_TIP}{self._log_tail()}"
+                f"its forward ({len(self.slots)}). {DEBUG_TIP}{self._log_tail()}"
             )
         ref = self.slots[index]
         holder = ref() if ref is not None else None
         if holder is None:
             return None  # already consumed by an earlier (partial) backward
-        if holder.meta is not None and holder.meta != _meta(x):
+        if holder.meta is not None and holder.meta != meta(x):
             raise CheckpointError(
                 f"a checkpointed region recomputed saved tensor #{index} with "
-                f"shape/dtype/device {_meta(x)}, but its forward saved {holder.meta}. "
-                f"{_DEBUG_TIP}{self._log_tail()}"
+                f"shape/dtype/device {meta(x)}, but its forward saved {holder.meta}. "
+                f"{DEBUG_TIP}{self._log_tail()}"
             )
         holder.values[gid] = value
         return holder
@@ -403,7 +318,7 @@ class Frame:
         self.stops[gid] = alive[-1]
         inputs = self._get_inputs()
         stopped = False
-        stack = _stack()
+        stack = region_stack()
         stack.append((self, gid))
         if self.forward_log is not None:
             self.recompute_log = []
@@ -415,7 +330,7 @@ class Frame:
                 ctx.enter_context(self._state.replay())
                 ctx.enter_context(torch.enable_grad())
                 ctx.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(self._pack_recompute(gid), _unpack)
+                    torch.autograd.graph.saved_tensors_hooks(self._pack_recompute(gid), unpack)
                 )
                 if self._recompute_context is not None:
                     ctx.enter_context(self._recompute_context)
@@ -437,7 +352,7 @@ class Frame:
         if not stopped and count != len(self.slots) and not self.lenient_count:
             raise CheckpointError(
                 f"a checkpointed region saved {count} tensors during its recompute but "
-                f"{len(self.slots)} during its forward. {_DEBUG_TIP}{self._log_tail()}"
+                f"{len(self.slots)} during its forward. {DEBUG_TIP}{self._log_tail()}"
             )
 
     def _check_compiled_recompute(self) -> None:
