@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
-from gradckpt.plan.simulate import Region, regions_of, simulate
+from gradckpt.plan.simulate import Prediction, Region, regions_of, simulate
 from gradckpt.profile.records import NEVER, Profile
 
 __all__ = [
@@ -301,30 +301,6 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
     return out
 
 
-def _first_unpack(prof: Profile, region: Region) -> int:
-    return min((prof.packs[i].unpack for i in region.packs), default=NEVER)
-
-
-def _recompute_times(prof: Profile, regions: list[Region]) -> dict[int, float]:
-    """Seconds recomputed per unit index (-1: outside units), as the simulator counts them."""
-    acc: dict[int, float] = {}
-
-    def walk(region: Region) -> None:
-        if _first_unpack(prof, region) >= NEVER:
-            return
-        stop = max((prof.packs[i].ops_done for i in region.packs), default=region.first_op)
-        for k in range(region.first_op, min(stop, region.end_op)):
-            if k not in region.save:
-                op = prof.ops[k]
-                acc[op.unit] = acc.get(op.unit, 0.0) + op.time
-        for child in region.children:
-            walk(child)
-
-    for region in regions:
-        walk(region)
-    return acc
-
-
 def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     regions = regions_of(prof, plan) if plan is not None else []
     top_of_unit = {u: r for r in regions for u in r.units}
@@ -387,10 +363,11 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     ordered = tuple(r for _, r in rows)
     kept = sum(r.nbytes for r in ordered if r.kept)
     recomputed = sum(r.nbytes for r in ordered if not r.kept)
-    units = _unit_costs(prof, plan, regions, ordered)
+    pred = simulate(prof, plan if plan is not None else _plain(prof))
+    units = _unit_costs(prof, plan, pred, ordered)
     return Explanation(
         rows=ordered, units=units, kept_bytes=kept, recomputed_bytes=recomputed,
-        pre_existing_saved=pre_existing, peak=_peak(prof, plan, regions, ordered),
+        pre_existing_saved=pre_existing, peak=_peak(prof, pred, regions, ordered),
         plain_peak_bytes=prof.measured_peak_bytes, plan=plan,
     )  # fmt: skip
 
@@ -404,10 +381,10 @@ def _input_shape(prof: Profile, sid: int) -> tuple[int, ...] | None:
 
 
 def _unit_costs(
-    prof: Profile, plan: Plan | None, regions: list[Region], rows: tuple[SavedStorage, ...]
+    prof: Profile, plan: Plan | None, pred: Prediction, rows: tuple[SavedStorage, ...]
 ) -> tuple[UnitCost, ...]:
     decisions = _decisions(prof, plan)
-    times = _recompute_times(prof, regions)
+    times = pred.recompute_by_unit
     kept: dict[str, int] = {}
     recomputed: dict[str, int] = {}
     for r in rows:
@@ -452,9 +429,8 @@ def _kept_until(prof: Profile, regions: list[Region], rows: tuple[SavedStorage, 
 
 
 def _peak(
-    prof: Profile, plan: Plan | None, regions: list[Region], rows: tuple[SavedStorage, ...]
+    prof: Profile, pred: Prediction, regions: list[Region], rows: tuple[SavedStorage, ...]
 ) -> PeakInfo:
-    pred = simulate(prof, plan if plan is not None else _plain(prof))
     where = pred.peak_position
     op = next((o for o in prof.ops if o.position >= where), prof.ops[-1])
     until = _kept_until(prof, regions, rows)

@@ -40,6 +40,8 @@ class Prediction:
     recompute_time: float
     recompute_flops: int
     peak_position: int
+    #: Seconds recomputed per unit index (-1: ops outside every unit).
+    recompute_by_unit: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class _Simulator:
         self.regions = regions
         self.line = _Line()
         self.recompute_time = 0.0
+        self.recompute_by_unit: dict[int, float] = {}
         self.recompute_flops = 0
         # Forward op index whose position follows each natural free.
         positions = [op.position for op in profile.ops[: profile.forward_ops]]
@@ -214,6 +217,7 @@ class _Simulator:
             if k in region.save:
                 continue
             self.recompute_time += op.time
+            self.recompute_by_unit[op.unit] = self.recompute_by_unit.get(op.unit, 0.0) + op.time
             self.recompute_flops += op.flops
             for sid in op.outputs:
                 natural = self.natural_op(sid)
@@ -258,6 +262,7 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         step_time=step_time,
         overhead=step_time / profile.step_time - 1.0 if profile.step_time > 0 else 0.0,
         recompute_time=sim.recompute_time,
+        recompute_by_unit=sim.recompute_by_unit,
         recompute_flops=sim.recompute_flops,
         peak_position=int(where[0]),
     )
