@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
+from gradckpt._versioned import check_header
+
 __all__ = ["PLAN_VERSION", "Item", "Plan", "Segment", "UnitChoice", "iter_units"]
 
 PLAN_VERSION = 1
@@ -137,13 +139,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
-        if data.get("kind") != "gradckpt.Plan":
-            raise ValueError("not a gradckpt plan (the JSON lacks kind: gradckpt.Plan)")
-        if data.get("version") != PLAN_VERSION:
-            raise ValueError(
-                f"plan version {data.get('version')} is not supported (this gradckpt reads "
-                f"version {PLAN_VERSION}); plan the model again"
-            )
+        check_header(data, "gradckpt.Plan", PLAN_VERSION, "plan the model again")
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields["items"] = tuple(_item_from_json(i) for i in data["items"])
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data["input_shapes"])

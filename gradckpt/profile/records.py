@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradckpt._versioned import check_header
+
 __all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
 
 PROFILE_VERSION = 1
@@ -146,13 +148,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
-        if data.get("kind") != "gradckpt.Profile":
-            raise ValueError("not a gradckpt profile (missing kind: gradckpt.Profile)")
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(
-                f"profile version {data.get('version')} is not supported "
-                f"(this gradckpt reads version {PROFILE_VERSION}); profile the model again"
-            )
+        check_header(data, "gradckpt.Profile", PROFILE_VERSION, "profile the model again")
         return cls(
             ops=tuple(OpRecord(**{**o, "outputs": tuple(o["outputs"])}) for o in data["ops"]),
             storages=tuple(StorageRecord(**s) for s in data["storages"]),
