@@ -12,7 +12,8 @@ never reaches the dispatcher, but the allocator serves it and an OOM counts it.
   free, is not counted: the same "created during the region" rule as the
   tracker). We switch on a profiler that observes only user-scope record
   functions (no per-op events), so the overhead is the memory events alone;
-  the peak is the largest running total, relative to the total at entry.
+  the peak is the largest total of the blocks allocated in the region and
+  not yet freed.
   ``tests/measure/test_allocator.py`` checks it against a malloc-level counter
   preloaded into a child interpreter (within 1%).
 * **CUDA**: the caching allocator's own statistics, ``max_memory_allocated``
@@ -36,15 +37,35 @@ from torch._C import _autograd as _ag
 from torch._C import _profiler as _prof
 
 __all__ = [
+    "CUDA_BLOCK_BYTES",
     "AllocatorTracker",
     "MarkedSpan",
     "MemoryEvents",
+    "allocator_block_bytes",
     "close_mark",
     "marked_spans",
     "open_mark",
 ]
 
 _MARK = "gradckpt#"
+
+#: The CUDA caching allocator hands out blocks in multiples of this many bytes.
+CUDA_BLOCK_BYTES = 512
+
+
+def allocator_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts for a request of ``nbytes``.
+
+    It rounds every request up to a multiple of 512 bytes (0 stays 0). Not
+    modelled: ``roundup_power2_divisions`` (rounds large blocks further),
+    segment sizes (2 MiB / 20 MiB: they shape *reserved* memory), fragmentation
+    and ``expandable_segments`` (both affect reserved, not allocated, bytes).
+
+    Example:
+        >>> allocator_block_bytes(1), allocator_block_bytes(513)
+        (512, 1024)
+    """
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
 def _start_memory_events(device: torch.device) -> None:
@@ -53,9 +74,9 @@ def _start_memory_events(device: torch.device) -> None:
             "allocator-level measurement needs torch's profiler and another profiler is "
             "already running; measure outside torch.profiler.profile(...)"
         )
+    # Allocators report to the profiler from the host side: the CPU activity is
+    # enough for CUDA memory events too, and needs no CUPTI.
     activities = {_prof.ProfilerActivity.CPU}
-    if device.type == "cuda":
-        activities.add(_prof.ProfilerActivity.CUDA)
     config = _prof.ProfilerConfig(
         _prof.ProfilerState.KINETO, False, True, False, False, False, _prof._ExperimentalConfig()
     )
@@ -66,11 +87,11 @@ def _start_memory_events(device: torch.device) -> None:
 
 
 def _walk(events: list[Any], mark: int, out: list[tuple]) -> None:
-    """Flatten the event tree to (start_ns, mark, alloc_size, total_allocated, device)."""
+    """Flatten the event tree to (start_ns, mark, alloc_size, ptr, device)."""
     for e in events:
         if e.tag == _prof._EventType.Allocation:
             f = e.extra_fields
-            out.append((e.start_time_ns, mark, f.alloc_size, f.total_allocated, f.device))
+            out.append((e.start_time_ns, mark, f.alloc_size, f.ptr, f.device))
         else:
             name = e.name
             inner = int(name[len(_MARK) :]) if name.startswith(_MARK) else mark
@@ -78,22 +99,37 @@ def _walk(events: list[Any], mark: int, out: list[tuple]) -> None:
 
 
 def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(start_ns, mark or -1, bytes allocated (+) or freed (-), running total) on ``device``."""
+    """(start_ns, mark or -1, bytes allocated (+) or freed (-), live total) on ``device``.
+
+    The total counts only blocks allocated inside the region: the free of a
+    block that existed before it is dropped (the allocator's own running total
+    would count it, and it can even be stale: a block allocated under an
+    earlier profiler session and freed between sessions stays in its table).
+    """
     flat: list = []
     _walk(result.experimental_event_tree(), -1, flat)
     flat.sort(key=lambda e: e[0])  # the tree is ordered per thread; merge by time
     index = device.index if device.index is not None else 0
+    live: dict[int, int] = {}
+    total = 0
     keep = []
-    for start, mark, size, total, where in flat:
+    for start, mark, size, ptr, where in flat:
         if where.type != device.type or (device.type == "cuda" and where.index != index):
             continue
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+        elif ptr in live:
+            size = -live.pop(ptr)
+        else:
+            continue  # made before the region
+        total += size
         keep.append((start, mark, size, total))
     return keep
 
 
 @dataclass(frozen=True)
 class MarkedSpan:
-    """Allocator bytes around one marked span (absolute running totals)."""
+    """Allocator bytes around one marked span (totals of blocks allocated in the region)."""
 
     before: int  # allocated when the span opened (at its first event)
     peak: int  # the most allocated at any moment inside it
@@ -142,7 +178,7 @@ class MemoryEvents:
     Works on CPU and CUDA (the caching allocator reports its blocks too). After
     the ``with`` block: ``events`` as ``(start_ns, mark, delta, running_total)``
     (``mark`` is the innermost :func:`open_mark` span, -1 outside every one),
-    ``peak_bytes`` and ``end_bytes`` relative to the running total at entry.
+    ``peak_bytes`` and ``end_bytes`` of the blocks allocated inside the region.
 
     Example:
         >>> with MemoryEvents() as ev:
@@ -165,10 +201,8 @@ class MemoryEvents:
         self.events = _allocation_events(result, self.device)
         if not self.events:
             return
-        _, _, size, total = self.events[0]
-        entry = total - size  # the running total just before the first event
-        self.peak_bytes = max(0, max(e[3] for e in self.events) - entry)
-        self.end_bytes = self.events[-1][3] - entry
+        self.peak_bytes = max(0, max(e[3] for e in self.events))
+        self.end_bytes = self.events[-1][3]
 
     def spans(self) -> dict[int, MarkedSpan]:
         """Per mark index, the allocator's bytes around that span."""

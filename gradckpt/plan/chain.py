@@ -121,6 +121,8 @@ def _own_forward_peak(profile: Profile, unit: UnitRecord, option: StageOption) -
     positions = [op.position for op in profile.ops[: profile.forward_ops]]
     events = []
     for op in profile.unit_ops(unit):
+        if op.workspace:  # held while the op runs, on top of its outputs
+            events += [(op.index, 2, op.workspace), (op.index, 3, -op.workspace)]
         for sid in op.outputs:
             s = profile.storages[sid]
             events.append((op.index, 1, s.nbytes))
@@ -236,8 +238,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
             held += inputs[i]
             _, peak_f = _window_levels(positions, lives, fwd_windows[i])
             enter_b, peak_b = _window_levels(positions, lives, bwd_windows[i])
-            fwd_need[i][k] = peak_f - held
-            bwd_need[i][k] = peak_b - held
+            if k or not any(index):  # "keep" is calibrated on the all-keep run alone
+                fwd_need[i][k] = peak_f - held
+                bwd_need[i][k] = peak_b - held
             if not any(index):
                 bstart_background[i] = enter_b - held - kept[i][0]
             held += kept[i][k]

@@ -31,6 +31,7 @@ from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
 from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
+from gradckpt.profile.workspace import allocator_events, op_workspaces, step_device
 
 __all__ = ["ProfileError", "profile"]
 
@@ -105,11 +106,22 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
 
 
 def _run_pass(
-    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool
+    units: list[Unit],
+    loss_fn: Callable[[], torch.Tensor],
+    *,
+    plain: bool,
+    allocator: torch.device | None = None,
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-    with _unit_markers(units, recorder), hooks, RecordMode(recorder):
+    # With ``allocator``, the pass also runs under the allocator's memory events
+    # (each op in its own span): the step's allocator peak and per-op workspace.
+    with (
+        allocator_events(allocator) as events,
+        _unit_markers(units, recorder),
+        hooks,
+        RecordMode(recorder, mark_ops=events is not None),
+    ):
         recorder.active = True
         loss = loss_fn()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -124,6 +136,9 @@ def _run_pass(
         del loss
         recorder.active = False
     recorder.watcher.close()
+    if events is not None and allocator is not None:
+        recorder.workspaces = op_workspaces(recorder, events, allocator)
+        recorder.allocator_peak = events.peak_bytes
     return recorder
 
 
@@ -245,9 +260,10 @@ def profile(
         guard.reset()
         forward_only = _run_pass(units, loss_fn, plain=False)
         passes = []
-        for _ in range(max(1, repeats)):
+        for i in range(max(1, repeats)):
             guard.reset()
-            passes.append(_run_pass(units, loss_fn, plain=True))
+            where = step_device(model) if i == 0 else None  # the allocator, once
+            passes.append(_run_pass(units, loss_fn, plain=True, allocator=where))
         step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
     finally:
         guard.restore()
@@ -315,14 +331,16 @@ def _assemble(
     times = _shared_times(
         main, [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
     )
+    workspaces = main.workspaces or [0] * len(main.ops)
     provisional = [
-        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
+        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8],
+                 workspaces[op[0]])
         for op in main.ops
-    ]
+    ]  # fmt: skip
     unit_records, renumber = _units(main, units, provisional)
     ops = tuple(
         OpRecord(o.index, o.name, o.backward, renumber.get(o.unit, -1), o.local, o.time,
-                 o.flops, o.outputs, o.position)
+                 o.flops, o.outputs, o.position, o.workspace)
         for o in provisional
     )  # fmt: skip
     storages = tuple(
@@ -348,7 +366,12 @@ def _assemble(
         end=main.position + 2,
         param_bytes=param_bytes,
         step_time=step_time,
-        measured_peak_bytes=param_bytes + main.watcher.peak_bytes,
+        # The allocator's peak when it was measured (what an OOM sees), else tensors'.
+        measured_peak_bytes=param_bytes + (
+            main.watcher.peak_bytes if main.allocator_peak is None else main.allocator_peak
+        ),
+        tracker_peak_bytes=param_bytes + main.watcher.peak_bytes,
+        peak_level="tensors" if main.allocator_peak is None else "allocator",
         fingerprint=model_fingerprint(model),
         device=_device_of(model),
         input_shapes=shapes,

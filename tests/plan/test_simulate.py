@@ -75,7 +75,8 @@ def test_predicted_peak_and_recompute_flops_match_measurement(zoo, name):
             flops = _step_flops(ex)
         finally:
             gradckpt.remove(ex.model)
-        assert abs(pred.peak_bytes - step.peak) <= 0.05 * step.peak, (
+        # The allocator's peak (workspaces included), within 2%.
+        assert abs(pred.peak_bytes - step.peak) <= 0.02 * step.peak, (
             label,
             pred.peak_bytes,
             step.peak,
