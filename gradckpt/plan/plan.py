@@ -113,6 +113,9 @@ class Plan:
     predicted_recompute_flops: int = 0
     solver: str = ""
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Which peak the predictions (and the budget) are held at: "allocator" (what the
+    #: allocator holds, kernel workspaces included) or "tensors" (op-created storages).
+    peak_level: str = "tensors"
     version: int = field(default=PLAN_VERSION)
 
     @property

@@ -56,6 +56,7 @@ def finish(
             predicted_recompute_flops=pred.recompute_flops,
             solver=solver,
             input_shapes=profile.input_shapes,
+            peak_level=profile.peak_level,
         ),
         pred,
     )
