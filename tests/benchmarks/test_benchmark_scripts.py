@@ -69,7 +69,8 @@ def test_frontier_quick_writes_report_and_plot(tmp_path: Path) -> None:
     assert "| contender | least | every_block | 25% | 50% | 75% | plain |" in text
     assert "| target | wanted | measured | verdict |" in text
     assert "## Planning time (profile excluded)" in text
-    assert [m["model"] for m in data["models"]] == ["gpt", "gpt_act", "unet"]
+    assert [m["model"] for m in data["models"]] == ["gpt", "gpt_act", "unet", "resnet_conv"]
+    assert "| target | wanted | measured | verdict |" in text and "allocator peak" in text
     for model in data["models"]:
         assert [b["label"] for b in model["budgets"]] == [
             "least",
