@@ -29,6 +29,10 @@ every ATen op with it and gets each op's transient workspace.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +70,47 @@ def allocator_block_bytes(nbytes: int) -> int:
         (512, 1024)
     """
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+# What torch's profiler writes to the process's stderr on every start and stop
+# (kineto's trace points) and when a block allocated before profiling is freed.
+_NOISE = re.compile(
+    rb"^(USDT:.*SyncActivityProfilerHandler|\[W.*CPUAllocator.*Memory block of unknown size)"
+)
+
+
+class _FilteredStderr:
+    """Hold the process's stderr (fd 2) in a file while active; pass on all but profiler noise.
+
+    Output written meanwhile (by the user's code too) is not lost, only delayed
+    until the region ends.
+    """
+
+    def __enter__(self) -> _FilteredStderr:
+        self.saved = None
+        try:
+            sys.stderr.flush()
+            self.held = tempfile.TemporaryFile()
+            self.saved = os.dup(2)
+            os.dup2(self.held.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # no real fd 2 (embedded, notebooks)
+            self.saved = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            return
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.held.seek(0)
+        kept = [line for line in self.held.read().splitlines(True) if not _NOISE.match(line)]
+        self.held.close()
+        if kept:
+            os.write(2, b"".join(kept))
 
 
 def _start_memory_events(device: torch.device) -> None:
@@ -191,13 +236,22 @@ class MemoryEvents:
         self.events: list[tuple[int, int, int, int]] = []
         self.peak_bytes = 0
         self.end_bytes = 0
+        self._stderr = _FilteredStderr()
 
     def __enter__(self) -> MemoryEvents:
-        _start_memory_events(self.device)
+        self._stderr.__enter__()
+        try:
+            _start_memory_events(self.device)
+        except BaseException:
+            self._stderr.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        result = _ag._disable_profiler()
+        try:
+            result = _ag._disable_profiler()
+        finally:
+            self._stderr.__exit__()
         self.events = _allocation_events(result, self.device)
         if not self.events:
             return

@@ -192,3 +192,14 @@ def test_cannot_run_inside_another_profiler() -> None:
 def test_unsupported_device_is_refused() -> None:
     with pytest.raises(ValueError, match="cpu and cuda"):
         AllocatorTracker("meta")
+
+
+def test_profiler_noise_is_dropped_and_other_stderr_kept(capfd) -> None:
+    import sys
+
+    with AllocatorTracker():
+        torch.empty(10)
+        print("a line of the user's own", file=sys.stderr, flush=True)
+    err = capfd.readouterr().err
+    assert "a line of the user's own" in err
+    assert "USDT" not in err and "profiler_start" not in err
