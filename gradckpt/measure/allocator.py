@@ -29,6 +29,7 @@ every ATen op with it and gets each op's transient workspace.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -100,10 +101,8 @@ class _FilteredStderr:
     def __exit__(self, *exc: object) -> None:
         if self.saved is None:
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
         os.dup2(self.saved, 2)
         os.close(self.saved)
         self.held.seek(0)
