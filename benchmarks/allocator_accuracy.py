@@ -67,9 +67,12 @@ def _zoo(name: str, **sizes: Any) -> Callable[[], Example]:
 
 def _hf(name: str) -> Callable[[], Example]:
     def build() -> Example:
+        from gradckpt.integrations.hf import disable_cache
         from gradckpt.integrations.hf_zoo import hf_example
 
-        return hf_example(name, **HF_SIZES)
+        ex = hf_example(name, **HF_SIZES)
+        disable_cache(ex.model)  # as gradckpt.fit does: no KV cache while training
+        return ex
 
     return build
 

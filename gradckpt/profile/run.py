@@ -7,7 +7,9 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
   what autograd saves and releases, per-op times (median over the passes) and
-  the measured peak.
+  the measured peak; the first also runs under the allocator's memory events,
+  which give the allocator's peak and each op's kernel workspace
+  (``gradckpt.profile.workspace``).
 
 Before each pass the RNG, buffers and gradients are reset to what they were on
 entry, and they are restored exactly at the end.
