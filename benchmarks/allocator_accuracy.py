@@ -126,9 +126,7 @@ def run_model(name: str, build: Callable[[], Example], log: Callable[[str], None
         f"{mib(workspace)} MiB")  # fmt: skip
     rows = []
     for label, plan, budget in [("none", None, None), *_plans(prof)]:
-        predicted = (
-            plan.predicted_peak_bytes if plan is not None else prof.measured_peak_bytes
-        )
+        predicted = plan.predicted_peak_bytes if plan is not None else prof.measured_peak_bytes
         install = with_plan(plan) if plan is not None else plain()
         allocator, tracker, _ = measure_peaks(ex, install)
         error = predicted / allocator - 1.0

@@ -155,9 +155,7 @@ def make_step(example: Example, seed: int = 0) -> Callable[[], torch.Tensor]:
     return step
 
 
-def measure_peaks(
-    example: Example, install: Installer, seed: int = 0
-) -> tuple[int, int, float]:
+def measure_peaks(example: Example, install: Installer, seed: int = 0) -> tuple[int, int, float]:
     """Allocator peak, tensor (tracker) peak and loss of one untimed step with ``install``.
 
     Both peaks include the model's parameters and buffers. The allocator is

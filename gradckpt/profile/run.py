@@ -369,9 +369,8 @@ def _assemble(
         param_bytes=param_bytes,
         step_time=step_time,
         # The allocator's peak when it was measured (what an OOM sees), else tensors'.
-        measured_peak_bytes=param_bytes + (
-            main.watcher.peak_bytes if main.allocator_peak is None else main.allocator_peak
-        ),
+        measured_peak_bytes=param_bytes
+        + (main.watcher.peak_bytes if main.allocator_peak is None else main.allocator_peak),
         tracker_peak_bytes=param_bytes + main.watcher.peak_bytes,
         peak_level="tensors" if main.allocator_peak is None else "allocator",
         fingerprint=model_fingerprint(model),
