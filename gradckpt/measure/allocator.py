@@ -142,8 +142,8 @@ def _walk(events: list[Any], mark: int, out: list[tuple]) -> None:
             _walk(e.children, inner, out)
 
 
-def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(start_ns, mark or -1, bytes allocated (+) or freed (-), live total) on ``device``.
+def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, ...]]:
+    """(start_ns, mark or -1, bytes allocated (+) or freed (-), live total, block) on ``device``.
 
     The total counts only blocks allocated inside the region: the free of a
     block that existed before it is dropped (the allocator's own running total
@@ -167,7 +167,7 @@ def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, int
         else:
             continue  # made before the region
         total += size
-        keep.append((start, mark, size, total))
+        keep.append((start, mark, size, total, ptr))
     return keep
 
 
@@ -178,6 +178,9 @@ class MarkedSpan:
     before: int  # allocated when the span opened (at its first event)
     peak: int  # the most allocated at any moment inside it
     after: int  # allocated at its last event
+    #: Bytes allocated outside every span since the previous one and still held when
+    #: this one opened: e.g. the scalar tensors Python numbers become for this op's call.
+    loose: int = 0
 
 
 def open_mark(index: int) -> Any:
@@ -194,7 +197,7 @@ def close_mark(handle: Any) -> None:
     torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
 
-def marked_spans(events: list[tuple[int, int, int, int]]) -> dict[int, MarkedSpan]:
+def marked_spans(events: list[tuple[int, ...]]) -> dict[int, MarkedSpan]:
     """Per mark index, the allocator's bytes before, at the peak inside, and after it.
 
     Example:
@@ -204,12 +207,18 @@ def marked_spans(events: list[tuple[int, int, int, int]]) -> dict[int, MarkedSpa
         40
     """
     spans: dict[int, list[int]] = {}
-    for _, mark, size, total in events:
+    loose: dict[int, int] = {}  # block -> bytes, allocated outside every span, still held
+    for _, mark, size, total, block in events:
         if mark < 0:
+            if size > 0:
+                loose[block] = size
+            else:
+                loose.pop(block, None)
             continue
         span = spans.get(mark)
         if span is None:
-            spans[mark] = [total - size, max(total, total - size), total]
+            spans[mark] = [total - size, max(total, total - size), total, sum(loose.values())]
+            loose.clear()  # charged to this span
         else:
             span[1] = max(span[1], total)
             span[2] = total
@@ -220,7 +229,7 @@ class MemoryEvents:
     """The allocator's allocation and free events during a region, from torch's profiler.
 
     Works on CPU and CUDA (the caching allocator reports its blocks too). After
-    the ``with`` block: ``events`` as ``(start_ns, mark, delta, running_total)``
+    the ``with`` block: ``events`` as ``(start_ns, mark, delta, running_total, block)``
     (``mark`` is the innermost :func:`open_mark` span, -1 outside every one),
     ``peak_bytes`` and ``end_bytes`` of the blocks allocated inside the region.
 
@@ -232,7 +241,7 @@ class MemoryEvents:
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
-        self.events: list[tuple[int, int, int, int]] = []
+        self.events: list[tuple[int, ...]] = []
         self.peak_bytes = 0
         self.end_bytes = 0
         self._stderr = _FilteredStderr()

@@ -6,7 +6,11 @@ allocator's level before the op and its peak during it; the op's new storages
 (what the dispatch level sees) are subtracted, and what remains is the
 transient the kernel allocated and freed inside itself::
 
-    workspace[k] = max(0, peak_during(k) - before(k) - bytes(new storages of k))
+    workspace[k] = max(0, peak_during(k) - before(k) + loose(k) - bytes(new storages of k))
+
+``loose(k)``: blocks allocated between the previous op and this one that are
+still held when it starts (the scalar tensors Python numbers become for its
+call, which no ATen op returns).
 
 On CUDA the caching allocator reports blocks rounded up to 512 bytes, so the
 outputs are rounded the same way before subtracting. Fake profiles run no
@@ -65,5 +69,5 @@ def op_workspaces(recorder: StepRecorder, events: MemoryEvents, device: torch.de
             out.append(0)
             continue
         outputs = sum(block(recorder.storages[s].nbytes) for s in op[7])
-        out.append(max(0, span.peak - span.before - outputs))
+        out.append(max(0, span.peak - span.before + span.loose - outputs))
     return out

@@ -203,3 +203,21 @@ def test_profiler_noise_is_dropped_and_other_stderr_kept(capfd) -> None:
     err = capfd.readouterr().err
     assert "a line of the user's own" in err
     assert "USDT" not in err and "profiler_start" not in err
+
+
+def test_loose_blocks_between_spans_are_charged_to_the_next_span() -> None:
+    x = torch.randn(1000)
+    with MemoryEvents() as ev:
+        scalar = torch.empty(16)  # 64 B made outside every span, still held by the op
+        h = open_mark(0)
+        y = x.exp()  # its 4000 B output
+        close_mark(h)
+        del scalar
+        gone = torch.empty(32)  # made and freed between spans: charged to nobody
+        del gone
+        h = open_mark(1)
+        z = y.exp()
+        close_mark(h)
+    spans = ev.spans()
+    assert spans[0].loose == 64 and spans[1].loose == 0
+    del z
