@@ -241,6 +241,12 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
             if not any(index):
                 bstart_background[i] = enter_b - held - kept[i][0]
             held += kept[i][k]
+    # Requirements stay in bytes (the DP rounds them per cell). What each stage's
+    # backward leaves live for the rest of the step (its gradients) is split off:
+    # a stage's requirement here counts the gradients of every later stage, and
+    # the DP adds back only those of the later stages in the same cell, so that
+    # identical blocks get identical stages (see gradckpt.plan.dp).
+    later = [bstart_background[i] - bstart_background[-1] for i in range(len(units))]
     stages = []
     for i, u in enumerate(units):
         opts = []
@@ -257,9 +263,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
                 Option(
                     name=option.mode if option.mode != "selective" else f"selective{k - 1}",
                     kept=near(kept[i][k]),
-                    fwd=up(fwd_need[i][k]),
-                    fwd_nested=up(own + max(0, bstart_background[i])),
-                    bwd=up(bwd_need[i][k]),
+                    fwd=fwd_need[i][k],
+                    fwd_nested=own + max(0, bstart_background[i]) - later[i],
+                    bwd=bwd_need[i][k] - later[i],
                     time=u.fwd_time + u.bwd_time + recompute,
                 )
             )
@@ -271,12 +277,13 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
                 none_nested=opts[1].fwd_nested,
                 fwd_time=u.fwd_time,
                 joins_previous=i > 0 and u.chained and units[i - 1].index == u.index - 1,
+                grad=bstart_background[i - 1] - bstart_background[i] if i > 0 else 0,
             )
         )
     return ChainModel(
         # Headroom above the plain peak: the solver asks the DP slightly above the
         # budget too, since rounding may put the plain schedule a few units over.
-        chain=Chain(tuple(stages), capacity=math.ceil(1.06 * up(span)) + 8),
+        chain=Chain(tuple(stages), capacity=math.ceil(1.06 * up(span)) + 8, scale=unit_bytes),
         units=units,
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,

@@ -41,10 +41,10 @@ _RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 
 
 
 def finish(
-    profile: Profile, plan: Plan, budget: int | None, solver: str
+    profile: Profile, plan: Plan, budget: int | None, solver: str, pred: Prediction | None = None
 ) -> tuple[Plan, Prediction]:
-    """Fill in a plan's predictions from the simulator."""
-    pred = simulate(profile, plan)
+    """Fill in a plan's predictions from the simulator (``pred``: already simulated)."""
+    pred = pred or simulate(profile, plan)
     return (
         replace(
             plan,
@@ -100,6 +100,14 @@ def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[P
     return finish(profile, plan, None, "dp")
 
 
+def _polished(
+    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel
+) -> Plan:
+    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled in."""
+    polished, polished_pred = polish(profile, plan, budget, model, pred)
+    return finish(profile, polished, budget, "dp", polished_pred)[0]
+
+
 def without_segments(model: ChainModel) -> ChainModel:
     """The chain with no stage joinable to the one before: the DP then makes no segments.
 
@@ -138,16 +146,17 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
                 continue
             tried.add(plan.items)
             lowest = plan
-            if simulate(profile, plan).peak_bytes <= budget:
-                return finish(profile, polish(profile, plan, budget, model), budget, "dp")[0]
+            pred = simulate(profile, plan)
+            if pred.peak_bytes <= budget:
+                return _polished(profile, plan, pred, budget, model)
     # The DP's model is a little off for this plan shape: repair its plans on the simulator.
     if lowest is not None:
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
-            return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
+            return _polished(profile, repaired, pred, budget, model)
     leanest, pred = least_peak_plan(profile, model, dp)
     if pred.peak_bytes <= budget:
-        return finish(profile, polish(profile, leanest, budget, model), budget, "dp")[0]
+        return _polished(profile, leanest, pred, budget, model)
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
