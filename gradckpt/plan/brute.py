@@ -139,8 +139,9 @@ class ReferenceDP:
             if a == b:
                 cands.append((k, need, lambda m, o=o: o.time))
             else:
-                shift = o.kept + stages[a + 1].input
-                cands.append((k, need, lambda m, o=o, s=shift: o.time + self._at(ctx, a + 1, b, m - s)))
+                held = o.kept + stages[a + 1].input
+                time = lambda m, o=o, s=held: o.time + self._at(ctx, a + 1, b, m - s)  # noqa: E731
+                cands.append((k, need, time))
         forward, extra = 0, stages[a].fwd_time
         for j in range(a + 1, b + 1):
             if j > a + 1 and not stages[j - 1].joins_previous:

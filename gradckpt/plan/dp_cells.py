@@ -142,7 +142,8 @@ class CellTables:
         """Best time and choice code at every m for stages a..b in context ``ctx``."""
         stages, scale, size = self.stages, self.scale, self.size
         kept, fwd, fwd_nested, bwd, times = self._options[a]
-        inside = self._prefix[b + 1] - self._prefix[a + 1]  # gradients of a+1..b, live in a's backward
+        # The gradients stages a+1..b left are live during a's backward.
+        inside = self._prefix[b + 1] - self._prefix[a + 1]
         forward = fwd if ctx == TOP else fwd_nested + inside
         need = ceil_div(torch.maximum(forward, bwd + inside), scale)
         table = self._top if ctx == TOP else self._nested
