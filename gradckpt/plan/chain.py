@@ -22,7 +22,7 @@ from gradckpt.plan.dp import Chain, Option, Stage
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.plan.simulate import live_trace
 from gradckpt.policies import MATMUL_OPS
-from gradckpt.profile.records import NEVER, Profile, UnitRecord
+from gradckpt.profile.records import NEVER, PackRecord, Profile, UnitRecord
 
 __all__ = ["ChainModel", "build_chain", "candidate_sets"]
 
@@ -57,15 +57,34 @@ class ChainModel:
         return max(-1, (nbytes - self.base_bytes) // self.unit_bytes)
 
 
-def _stop(profile: Profile, unit: UnitRecord) -> int:
-    done = [p.ops_done for p in profile.packs if p.unit == unit.index]
+@dataclass(frozen=True)
+class _Lookup:
+    """Indexes of a profile that the builder reads once per unit and option: built in
+    one pass, so a deep model costs linear time here, not units x profile size."""
+
+    packs: dict[int, list[PackRecord]]  # unit index -> its packs
+    forward_positions: list[int]  # position of each forward op
+
+
+def _lookup(profile: Profile) -> _Lookup:
+    packs: dict[int, list[PackRecord]] = {}
+    for p in profile.packs:
+        packs.setdefault(p.unit, []).append(p)
+    return _Lookup(packs, [op.position for op in profile.ops[: profile.forward_ops]])
+
+
+def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> int:
+    look = look or _lookup(profile)
+    done = [p.ops_done for p in look.packs.get(unit.index, ())]
     return min(max(done, default=unit.first_op), unit.end_op)
 
 
-def candidate_sets(profile: Profile, unit: UnitRecord) -> list[StageOption]:
+def candidate_sets(
+    profile: Profile, unit: UnitRecord, look: _Lookup | None = None
+) -> list[StageOption]:
     """Selective save sets for a block: matmul outputs, and the cheapest bytes that
     remove 25/50/75% of its recompute time (ops by time per byte, best first)."""
-    stop = _stop(profile, unit)
+    stop = _stop(profile, unit, look)
     eligible = []
     for op in profile.ops[unit.first_op : stop]:
         if not op.outputs or op.time <= 0:
@@ -95,13 +114,13 @@ def candidate_sets(profile: Profile, unit: UnitRecord) -> list[StageOption]:
     return [StageOption("selective", s, tuple(ops[i].name for i in s)) for s in unique]
 
 
-def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
+def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
     """Bytes the unit holds from its forward to its backward, besides its input and output."""
     inside = range(unit.first_op, unit.end_op)
     if option.mode == "keep":
         sids = {
-            p.storage for p in profile.packs
-            if p.unit == unit.index and p.storage >= 0 and profile.storages[p.storage].producer in inside
+            p.storage for p in look.packs.get(unit.index, ())
+            if p.storage >= 0 and profile.storages[p.storage].producer in inside
         }  # fmt: skip
     elif option.mode == "selective":
         sids = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
@@ -111,14 +130,16 @@ def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
     return sum(profile.storages[s].nbytes for s in sids)
 
 
-def _own_forward_peak(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
+def _own_forward_peak(
+    profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup
+) -> int:
     """Peak of the unit's own storages during its forward (what it keeps is never freed)."""
     kept: set[int] = set()
     if option.mode == "keep":
-        kept = {p.storage for p in profile.packs if p.unit == unit.index}
+        kept = {p.storage for p in look.packs.get(unit.index, ())}
     elif option.mode == "selective":
         kept = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
-    positions = [op.position for op in profile.ops[: profile.forward_ops]]
+    positions = look.forward_positions
     events = []
     for op in profile.unit_ops(unit):
         for sid in op.outputs:
@@ -199,11 +220,12 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
     units = tuple(u for u in profile.units if u.plannable)
     if not units:
         raise ValueError("the model has no unit that can be checkpointed")
+    look = _lookup(profile)
     stage_options: list[list[StageOption]] = []
     for u in units:
         options = [StageOption("keep"), StageOption("recompute")]
         if u.is_block:
-            options += candidate_sets(profile, u)
+            options += candidate_sets(profile, u, look)
         stage_options.append(options)
     span = max(1, profile.measured_peak_bytes - profile.param_bytes)
     unit_bytes = max(1, math.ceil(span / grid))
@@ -220,7 +242,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
         # (the simulator checks every plan); requirements round up.
         return max(0, round(nbytes / unit_bytes))
 
-    kept = [[_kept_bytes(profile, u, o) for o in opts] for u, opts in zip(units, stage_options)]
+    kept = [
+        [_kept_bytes(profile, u, o, look) for o in opts] for u, opts in zip(units, stage_options)
+    ]
     fwd_windows, bwd_windows = _windows(profile, units)
     fwd_need = [[0] * len(o) for o in stage_options]
     bwd_need = [[0] * len(o) for o in stage_options]
@@ -251,11 +275,11 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
     for i, u in enumerate(units):
         opts = []
         for k, option in enumerate(stage_options[i]):
-            own = _own_forward_peak(profile, u, option)
+            own = _own_forward_peak(profile, u, option, look)
             recompute = 0.0
             if option.mode != "keep":
                 cached = {u.first_op + j for j in option.save}
-                stop = _stop(profile, u)
+                stop = _stop(profile, u, look)
                 recompute = sum(
                     op.time for op in profile.ops[u.first_op : stop] if op.index not in cached
                 )

@@ -27,6 +27,11 @@ from gradckpt.profile.records import Profile
 __all__ = ["polish", "repair"]
 
 _POLISH_SIMULATIONS = 48
+# A simulation costs about one pass over the profile's storages and saved tensors;
+# past this many records the polish gets proportionally fewer simulations (at least
+# _POLISH_FLOOR), so that planning time stays near linear in depth.
+_POLISH_RECORDS = 240_000
+_POLISH_FLOOR = 8
 _REPAIR_ROUNDS = 8
 _REPAIR_CANDIDATES = 12
 
@@ -109,8 +114,10 @@ def polish(
     moves = [m for m in _moves(plan, model) if m[0] > 0]
     # Cheapest bytes per second saved first: those are the moves likely to fit.
     moves.sort(key=lambda m: max(m[1], 0) / m[0])
+    records = len(profile.storages) + len(profile.packs)
+    limit = max(_POLISH_FLOOR, min(_POLISH_SIMULATIONS, _POLISH_RECORDS // max(records, 1)))
     start, group, simulations = 0, 1, 0
-    while start < len(moves) and simulations < _POLISH_SIMULATIONS:
+    while start < len(moves) and simulations < limit:
         chunk = moves[start : start + group]
         candidate = _apply_all(plan, chunk)
         if candidate is None:  # an earlier move replaced one of these items
