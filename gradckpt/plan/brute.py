@@ -154,8 +154,9 @@ class ReferenceDP:
             extra += st.fwd_time
             shift = near_div(_grads(self.chain, j, b), scale)
             cands.append((_SEGMENT + j - a, forward, lambda m, j=j, e=extra, s=shift: (
-                e + self._at(ctx, j, b, m - stages[j].input)
-                + self._at(NESTED, a, j - 1, min(m - s, self.size - 1))
+                # Summed in the fast DP's order, so float ties fall the same way.
+                self._at(ctx, j, b, m - stages[j].input)
+                + self._at(NESTED, a, j - 1, min(m - s, self.size - 1)) + e
             )))  # fmt: skip
         row = []
         for m in range(self.size):

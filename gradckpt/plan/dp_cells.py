@@ -26,6 +26,8 @@ from gradckpt.plan.dp import _SEGMENT, NESTED, TOP, Chain, Stage, ceil_div, near
 
 __all__ = ["CellTables"]
 
+_CHUNK = 32  # segment rows per block of work: windows of nearby rows are alike
+
 
 class CellTables:
     """Best time and choice per (context, cell, m); built on construction."""
@@ -170,17 +172,51 @@ class CellTables:
             extra = self._fwd_time[a:last].cumsum(0)[1:]
             js = torch.arange(a + 2, last + 1)
             shifts = near_div(self._prefix_t[b + 1] - self._prefix_t[js], scale)
-            rest_rows = js if ctx == TOP else self._uid[js, b]
-            seg = self._read(table, rest_rows, self._inputs[js])
-            seg += self._read(self._nested, self._uid[a, js - 1], shifts)
-            seg += extra[:, None]
-            seg.masked_fill_(self._steps[None, :] < seg_need[:, None], math.inf)
-            seg_best, seg_which = seg.min(0)
+            rest = (table, js if ctx == TOP else self._uid[js, b], self._inputs[js])
+            inner = (self._nested, self._uid[a, js - 1], shifts)
+            seg_best, seg_which = self._segments(best, rest, inner, extra, seg_need)
             # Ties go to the stage alone: candidates are ranked options first, then j.
             better = seg_best < best
             best = torch.where(better, seg_best, best)
             which = torch.where(better, seg_which + _SEGMENT + 2, which)
         return best, torch.where(torch.isfinite(best), which.to(torch.int32), -1)
+
+    def _segments(self, alone, rest, inner, extra, need) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best segment candidate and its row at every m, computed only where it can win.
+
+        Tables fall with m, so segment row r never costs less than ``floor_r`` =
+        extra + the least of its rest + the least of its recompute. Where the best
+        stage-alone candidate ``alone`` is already below that (``alone`` falls too:
+        from some m on), the row cannot be chosen and is not computed. Rows are taken
+        in chunks, each over the columns some row of it may still win.
+        """
+        size = self.size
+        last = self._left + size - 1  # the least value of a padded row sits at its end
+        floor = extra + rest[0].view(-1)[rest[1] * rest[0].shape[1] + last]
+        floor += inner[0].view(-1)[inner[1] * inner[0].shape[1] + last]
+        # Row r may win only for m < stop_r: where alone[m] >= floor_r (rounding margin).
+        stop = size - torch.searchsorted(alone.flip(0), floor * (1 - 1e-12), side="left")
+        best = torch.full((size,), math.inf, dtype=torch.float64)
+        which = torch.zeros(size, dtype=torch.int64)
+        for lo in range(0, len(extra), _CHUNK):
+            hi = lo + _CHUNK
+            c0, c1 = int(need[lo:hi].min()), int(stop[lo:hi].max())
+            if c1 <= c0:
+                continue
+            steps = self._steps[c0:c1]
+            cand = self._take(rest[0], rest[1][lo:hi], rest[2][lo:hi], steps)
+            cand += self._take(inner[0], inner[1][lo:hi], inner[2][lo:hi], steps)
+            cand += extra[lo:hi, None]
+            cand.masked_fill_(steps[None, :] < need[lo:hi, None], math.inf)
+            chunk_best, chunk_which = cand.min(0)
+            better = chunk_best < best[c0:c1]  # earlier rows win ties
+            best[c0:c1] = torch.where(better, chunk_best, best[c0:c1])
+            which[c0:c1] = torch.where(better, chunk_which + lo, which[c0:c1])
+        return best, which
+
+    def _take(self, table, rows, shifts, steps) -> torch.Tensor:
+        base = rows * table.shape[1] + self._left - shifts
+        return table.view(-1).take(base[:, None] + steps[None, :])
 
     def _row(self, ctx: int, a: int, b: int) -> int:
         return a if ctx == TOP else int(self._uid[a, b])

@@ -9,6 +9,7 @@ occur and the shared cells of :mod:`gradckpt.plan.dp_cells` are exercised.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -145,6 +146,31 @@ def test_a_block_that_differs_in_one_field_is_not_shared(change):
         )
         if math.isfinite(reference.best_time(m)):
             assert fast.schedule(m) == reference.schedule(m)
+
+
+def test_long_chains_with_segments_equal_the_reference():
+    # Longer than one chunk of segment rows (dp_cells._CHUNK), with inputs large
+    # enough that segments win at low budgets, and a few odd stages in the run.
+    rng = random.Random(11)
+    stages = []
+    for i in range(40):
+        odd = rng.random() < 0.15
+        keep = Option("keep", kept=3 + odd, fwd=2, fwd_nested=3, bwd=4 + odd, time=1.0)
+        ckpt = Option("recompute", kept=0, fwd=2, fwd_nested=3, bwd=5, time=1.4 + 0.1 * odd)
+        stages.append(Stage(2 if i else 0, (keep, ckpt), none=2, none_nested=3,
+                            fwd_time=0.4, joins_previous=i > 0, grad=rng.randint(0, 1)))  # fmt: skip
+    chain = Chain(tuple(stages), capacity=45)
+    fast, reference = ChainDP(chain), ReferenceDP(chain)
+    segments = 0
+    for m in range(chain.capacity + 1):
+        assert fast.best_time(m) == reference.best_time(m) or math.isclose(
+            fast.best_time(m), reference.best_time(m)
+        )
+        if math.isfinite(reference.best_time(m)):
+            tree = fast.schedule(m)
+            assert tree == reference.schedule(m)
+            segments += any(node[0] == "segment" for node in tree)
+    assert segments > 0  # the segment rows were exercised, not only the stage-alone ones
 
 
 def _stage(joins: bool, none: int = 1) -> Stage:
