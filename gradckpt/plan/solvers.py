@@ -291,7 +291,16 @@ def solve(
     and a baseline that does (``sqrt``) is refused.
     """
     if callable(solver):
+        # A custom solver's plan gets the same simulated predictions and budget check
+        # as the built-in ones: whatever it claims about its own peak is not trusted.
+        name = getattr(solver, "__name__", "custom")
         chosen = solver(profile, budget)
+        if not isinstance(chosen, Plan):
+            raise TypeError(
+                f"the {name} solver returned {type(chosen).__name__}, not a gradckpt Plan; "
+                "a solver takes (profile, budget_bytes) and returns a Plan"
+            )
+        chosen = _fit(profile, chosen, budget, name)
     elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
     elif solver == "dp":
