@@ -100,25 +100,6 @@ def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[P
     return finish(profile, plan, None, "dp")
 
 
-def _first_fitting(
-    profile: Profile, plans: list[Plan], budget: int
-) -> tuple[Plan, Prediction] | None:
-    """The first of ``plans`` (ordered by falling DP budget) that fits, by bisection.
-
-    A plan for a smaller DP budget peaks lower, so the ones that fit are a tail of
-    the list: bisection finds its start with about log2(len) simulations.
-    """
-    lo, hi, found = 0, len(plans) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        pred = simulate(profile, plans[mid])
-        if pred.peak_bytes <= budget:
-            found, hi = (plans[mid], pred), mid - 1
-        else:
-            lo = mid + 1
-    return found
-
-
 def _polished(
     profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel
 ) -> Plan:
@@ -154,19 +135,28 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     dp = dp or ChainDP(model.chain)
     top = model.to_units(budget)
     least = dp.least_feasible()
+    tried: set[tuple] = set()
     lowest: Plan | None = None
     if least is not None and top >= 0:
         capacity = model.chain.capacity
-        plans: dict[tuple, Plan] = {}  # distinct plans, leanest last
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
-            plan = Plan(
-                _items(model, dp.schedule(min(max(m, least), capacity))), profile.fingerprint
-            )
-            plans.setdefault(plan.items, plan)
-        found = _first_fitting(profile, list(plans.values()), budget)
-        if found is not None:
-            return _polished(profile, *found, budget, model)
-        lowest = list(plans.values())[-1]
+            m = min(max(m, least), capacity)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+            if plan.items in tried:
+                continue
+            tried.add(plan.items)
+            before, lowest = lowest, plan
+            # In this order, not by bisection: at the edge of feasibility the peak is not
+            # monotone in the DP's budget, and the first plan that fits is the one wanted.
+            pred = simulate(profile, plan)
+            if pred.peak_bytes <= budget:
+                if m == least and before is not None:
+                    # The DP's leanest plan buys its last bytes dearly (segments in
+                    # segments); the plan before it, repaired, may fit for less time.
+                    repaired, fixed = repair(profile, before, budget, model)
+                    if fixed.peak_bytes <= budget and fixed.step_time < pred.step_time:
+                        plan, pred = repaired, fixed
+                return _polished(profile, plan, pred, budget, model)
     # The DP's model is a little off for this plan shape: repair its plans on the simulator.
     if lowest is not None:
         repaired, pred = repair(profile, lowest, budget, model)
