@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.checkpoint import CheckpointError as _TorchCheckpointError
 
 if TYPE_CHECKING:
     from gradckpt.engine.frame import Frame
@@ -29,22 +31,30 @@ __all__ = [
     "Deferred",
     "Holder",
     "active_frame",
+    "current_exec_group",
     "graph_id",
     "in_region_forward",
+    "is_group_id",
     "meta",
     "region_stack",
+    "running_gid",
     "unpack",
 ]
 
 
-class CheckpointError(RuntimeError):
-    """The recompute of a region did not reproduce what its forward saved."""
+class CheckpointError(_TorchCheckpointError):
+    """The recompute of a region did not reproduce what its forward saved.
+
+    A subclass of ``torch.utils.checkpoint.CheckpointError`` (itself a
+    ``RuntimeError``), so code that catches torch's error catches ours.
+    """
 
 
 DEBUG_TIP = (
     "The region must run the same ops on the same shapes in its recompute as in its "
     "forward (no data-dependent control flow on changed state). Pass debug=True to "
-    "gradckpt.checkpoint to see both op sequences."
+    "gradckpt.checkpoint (or wrap the call in "
+    "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) to see both op sequences."
 )
 
 
@@ -93,11 +103,44 @@ def in_region_forward() -> bool:
     return top is not None and top[1] is None
 
 
-def graph_id() -> int:
+current_exec_group = getattr(torch._C, "_get_graph_exec_group", lambda: None)
+_GROUP_IDS: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+
+
+def graph_id() -> Any:
+    """The id of the backward pass that unpacks now: regions recompute once per id.
+
+    Inside ``torch.utils.checkpoint.GraphExecGroup`` all backward calls share
+    one id (the group's), so a backward split into several ``autograd.grad``
+    calls recomputes each region once, as torch's checkpoint does.
+    """
+    group = current_exec_group()
+    if group is not None:
+        return group_id(group)
     gid = torch._C._current_graph_task_id()
     # Unpacking outside backward (e.g. reading grad_fn._saved_*) gets a fresh
     # id, so it recomputes rather than reading a stale pass.
     return next(_fresh_ids) if gid == -1 else gid
+
+
+def group_id(group: Any) -> tuple[str, int]:
+    # A key that does not keep the group alive (holders keep their keys).
+    found = _GROUP_IDS.get(group)
+    if found is None:
+        found = _GROUP_IDS[group] = ("group", next(_fresh_ids))
+    return found
+
+
+def is_group_id(gid: Any) -> bool:
+    return type(gid) is tuple
+
+
+def running_gid(frame: Frame) -> Any:
+    """The backward id ``frame`` is being recomputed for on this thread, or None."""
+    for running, gid in reversed(region_stack()):
+        if running is frame and gid is not None:
+            return gid
+    return None
 
 
 def meta(x: torch.Tensor) -> tuple:
@@ -107,11 +150,41 @@ def meta(x: torch.Tensor) -> tuple:
 def unpack(packed: Any) -> Any:
     if not isinstance(packed, Holder):
         return packed  # a tensor saved by a recompute's own graph (backward inside a region)
-    holder = packed
+    try:
+        return _unpack(packed)
+    except RecursionError as exc:
+        # Never let the autograd engine turn this into a bare SystemError.
+        raise CheckpointError(
+            "recomputing checkpointed regions recursed without end while unpacking a saved "
+            "tensor; please report this with the model code."
+        ) from exc
+
+
+def _deferred_by_running_recompute(holder: Holder, gid: Any) -> Deferred | None:
+    # The innermost recompute running on this thread (for another pass) that
+    # handed this holder to a nested region.
+    for _, running in reversed(region_stack()):
+        if running is not None and running != gid:
+            pending = holder.values.get(running)
+            if type(pending) is Deferred:
+                return pending
+    return None
+
+
+def _unpack(holder: Holder) -> Any:
     gid = graph_id()
     value = holder.values.get(gid, _MISSING)
     if value is _MISSING:
-        holder.owner.recompute(gid)
+        pending = _deferred_by_running_recompute(holder, gid)
+        if pending is not None:
+            # A backward started inside a recompute (``autograd.grad`` in a
+            # checkpointed function, double backward) reaches a tensor that a
+            # region nested in that recompute saved: that nested region rebuilds
+            # it for this pass too. Recomputing the owner instead would run the
+            # same ``autograd.grad`` again, and so on without end.
+            pending.frame.recompute(gid)
+        else:
+            holder.owner.recompute(gid)
         value = holder.values.get(gid, _MISSING)
     while type(value) is Deferred:
         value.frame.recompute(gid)
@@ -120,9 +193,17 @@ def unpack(packed: Any) -> Any:
             raise CheckpointError("internal: a nested region did not fill its saved tensor")
         value = resolved
     if value is _CONSUMED:
+        overlap = (
+            "Performing two backward calls that overlap (i.e. require the same saved "
+            "activation) is not allowed under one torch.utils.checkpoint.GraphExecGroup: "
+            "use one group per backward that shares saved tensors, or none. "
+            if is_group_id(gid)
+            else ""
+        )
         raise CheckpointError(
-            "a checkpointed tensor was unpacked twice in one backward pass; if you read "
-            "ctx.saved_tensors in a custom autograd.Function, read it once per backward."
+            "Unpack is being triggered for a tensor that was already unpacked once: a "
+            f"checkpointed tensor was unpacked twice in one backward pass. {overlap}If you "
+            "read ctx.saved_tensors in a custom autograd.Function, read it once per backward."
         )
     if value is _MISSING:
         raise CheckpointError(
