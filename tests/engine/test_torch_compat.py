@@ -308,7 +308,7 @@ class _Scale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
+        _, w = ctx.saved_tensors
         assert w is ctx.expected
         assert isinstance(w, nn.Parameter) and w.quant_state == "nf4"
         return grad * w, None
@@ -343,9 +343,9 @@ def double_unpack_is_refused(ckpt):
 
         @staticmethod
         def backward(ctx, grad):
-            ctx.saved_tensors
-            (x,) = ctx.saved_tensors
-            return grad * 2
+            first = ctx.saved_tensors
+            again = ctx.saved_tensors
+            return grad * 2 + 0 * (first[0] + again[0])
 
     out = ckpt(lambda t: ReadTwice.apply(t.sin()), leaf(3))
     with pytest.raises(tc.CheckpointError, match="already unpacked once"):
@@ -612,4 +612,4 @@ def test_behaviour(name: str, impl: str, request: pytest.FixtureRequest) -> None
 
 def test_there_are_enough_behaviours() -> None:
     assert len(BEHAVIOURS) >= 30
-    assert BEYOND_TORCH <= set(BEHAVIOURS)
+    assert set(BEHAVIOURS) >= BEYOND_TORCH
