@@ -118,6 +118,30 @@ def tensors_inside_containers(ckpt):
 
 
 @behaviour
+def no_tensor_inputs(ckpt):
+    def fn(a, b, scale):
+        return (a + b) * scale, "done"
+
+    assert ckpt(fn, 1.5, 2.5, 2) == (8.0, "done")
+
+
+@behaviour
+def returns_an_input_and_mixed_outputs(ckpt):
+    def fn(t1, t2, scale, t3):
+        t4 = t1 + t2 * t3
+        t4 *= scale
+        return scale, t4, None, True, "bar", t1
+
+    t1, t2, t3 = leaf(5), leaf(5, seed=1), leaf(5, seed=2, requires_grad=False)
+    res = ckpt(fn, t1, t2, 3, t3)
+    assert res[0] == 3 and res[2] is None and res[3] is True and res[4] == "bar"
+    assert torch.equal(res[5], t1)
+    got = grads(res[1] + res[5], [t1, t2])
+    plain = fn(t1, t2, 3, t3)
+    assert_equal(got, grads(plain[1] + plain[5], [t1, t2]))
+
+
+@behaviour
 def output_without_grad(ckpt):
     def fn(x):
         return x.detach().sin(), x.sum().item()
