@@ -125,3 +125,18 @@ def test_runaway_recompute_is_a_checkpoint_error_not_a_system_error(monkeypatch)
     out = compose("gcc", gradckpt.checkpoint)(x)
     with pytest.raises(torch.utils.checkpoint.CheckpointError, match="inside one another"):
         out.sum().backward()
+
+
+def test_a_real_runaway_ends_in_checkpoint_error_at_the_default_cap(monkeypatch):
+    # Undo the fix (and the guard against a region recomputing inside its own
+    # recompute) to get back the unbounded recursion of the issue: at the
+    # default cap it must still end as a CheckpointError, before Python's or the
+    # autograd engine's own limits turn it into a SystemError.
+    from gradckpt.engine import holders
+
+    monkeypatch.setattr(holders, "_deferred_by_running_recompute", lambda holder, gid: None)
+    monkeypatch.setattr(frame_module, "running_gid", lambda frame: None)
+    x = torch.randn(3, requires_grad=True)
+    out = compose("cgc", gradckpt.checkpoint)(x)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="at most 32"):
+        torch.autograd.grad(out.sum(), x)
