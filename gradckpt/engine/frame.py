@@ -43,6 +43,7 @@ from gradckpt.engine.holders import (
     running_gid,
     unpack,
 )
+from gradckpt.engine.inputs import KeptInputs
 from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
 from gradckpt.engine.state import ReplayState, capture_state
 
@@ -58,23 +59,6 @@ class _StopRecompute(Exception):
 #: ``autograd.grad`` inside checkpointed code). Far above real nesting, far
 #: below where Python's recursion limit would break the autograd engine.
 MAX_RECOMPUTE_DEPTH = 32
-
-_TENSOR_SLOT = object()  # marks where a tensor input goes in a frame's input template
-
-
-class _SaveInputs(torch.autograd.Function):
-    """Saves a region's tensor inputs through autograd, so an enclosing
-    ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) applies to them and in-place
-    changes to them are caught by the version counter."""
-
-    @staticmethod
-    def forward(ctx, dummy, *tensors):
-        ctx.save_for_backward(*tensors)
-        return dummy.new_empty((0,))
-
-    @staticmethod
-    def backward(ctx, *grads):  # pragma: no cover - never part of a real backward
-        return (None,) * (1 + len(ctx.saved_tensors))
 
 
 class Frame:
@@ -135,11 +119,7 @@ class Frame:
         self.stops: dict[int, int] = {}
         self.forward_log: list[str] | None = [] if debug else None
         self.recompute_log: list[str] | None = None
-        self._template: list[Any] = []
-        self._input_node: Any = None
-        self._inputs: list[torch.Tensor] = []
-        self._versions: list[int] = []
-        self._requires_grad: list[bool] = []
+        self._inputs: KeptInputs | None = None
         self._state: ReplayState | None = None
         self._exit: contextlib.ExitStack | None = None
         self._recompute_context: Any = None
@@ -149,44 +129,8 @@ class Frame:
     def save_inputs(self, flat_inputs: list[Any]) -> None:
         """Keep the region's inputs (tensors by reference; other values as they are)."""
         tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
-        self._template = [_TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-        self._requires_grad = [t.requires_grad for t in tensors]
-        if self.parent is None:
-            dummy = torch.empty((0,), requires_grad=True)
-            self._input_node = _SaveInputs.apply(dummy, *tensors).grad_fn
-        else:
-            # Inside an enclosing recompute, saving through autograd would add
-            # entries to the enclosing region's sequence: keep plain references.
-            self._inputs = [t.detach() if t.requires_grad else t for t in tensors]
-            self._versions = [t._version for t in tensors]
+        self._inputs = KeptInputs(flat_inputs, nested=self.parent is not None)
         self._state = capture_state(tensors, self.preserve_rng_state)
-
-    def _get_inputs(self) -> list[Any]:
-        if self._input_node is not None:
-            tensors = list(self._input_node.saved_tensors)
-        else:
-            for t, version in zip(self._inputs, self._versions):
-                if t._version != version:
-                    raise RuntimeError(
-                        "an input of a checkpointed region was modified in place after the "
-                        "region ran; its recompute would see different values. Clone the "
-                        "tensor before changing it."
-                    )
-            tensors = self._inputs
-        it = iter(tensors)
-        rg = iter(self._requires_grad)
-        out = []
-        for x in self._template:
-            if x is _TENSOR_SLOT:
-                t = next(it)
-                # An input that takes no gradient goes back as the object itself
-                # (a frozen nn.Parameter with its Python attributes: quantization
-                # state in QLoRA), as torch does; one that does gets a fresh leaf,
-                # so the recompute's graph stays apart from the forward's.
-                out.append(t.detach().requires_grad_(True) if next(rg) else t)
-            else:
-                out.append(x)
-        return out
 
     def begin(self) -> None:
         """Enter the region's forward: saved tensors become holders from here on."""
@@ -360,7 +304,7 @@ class Frame:
                 )
         self.counters[gid] = 0
         self.stops[gid] = alive[-1]
-        inputs = self._get_inputs()
+        inputs = self._inputs.get()
         stopped = False
         stack = region_stack()
         stack.append((self, gid))

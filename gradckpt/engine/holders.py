@@ -5,7 +5,12 @@ each tensor it saves. The first unpack in a backward pass asks the holder's
 region to recompute (once per pass, keyed by the graph task id); values are
 handed out once and then forgotten, so recomputed tensors die as soon as
 backward has used them. A holder may instead hold a :class:`Deferred`: its
-value will come from a nested region's own recompute.
+value will come from a nested region's own recompute. A backward pass started
+*inside* a recompute (``autograd.grad`` in checkpointed code, double backward)
+that reaches such a holder gets its value from that nested region too, never
+by recomputing the running region again (that would rerun the same
+``autograd.grad``, without end). Under ``torch.utils.checkpoint.GraphExecGroup``
+all backward calls of the group are one pass.
 
 The stack of running regions is thread-local, as autograd's hooks are: it says
 whether code runs inside a region's forward (nested regions are no-ops there)
