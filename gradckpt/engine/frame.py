@@ -175,8 +175,10 @@ class Frame:
             self._state_versions = []
         if exc is None:
             self.forward_completed = True
-            if self.parent is None and self._state is not None:
-                self._state.check_device_not_initialized_inside()
+            if self._state is not None:
+                self._state.forget_unused_host_rngs()
+                if self.parent is None:
+                    self._state.check_device_not_initialized_inside()
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

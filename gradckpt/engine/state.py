@@ -130,6 +130,18 @@ class ReplayState:
                 stack.callback(numpy_random.set_state, numpy_random.get_state())
                 numpy_random.set_state(self.numpy_rng)
 
+    def forget_unused_host_rngs(self) -> None:
+        """After the forward: drop host RNG states the region did not draw from.
+
+        Most regions never touch ``random`` or ``np.random``; their recompute
+        then skips the host replay (a NumPy state costs tens of microseconds to
+        read or write).
+        """
+        if self.python_rng is not None and random.getstate() == self.python_rng:
+            self.python_rng = None
+        if self.numpy_rng is not None and _same_numpy_state(_numpy_state(), self.numpy_rng):
+            self.numpy_rng = None
+
     def check_device_not_initialized_inside(self) -> None:
         """Raise if the forward initialized the device, whose RNG we therefore missed."""
         if (
@@ -183,3 +195,12 @@ def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayStat
 def _numpy_state() -> Any:
     numpy_random = _numpy_random()
     return numpy_random.get_state() if numpy_random is not None else None
+
+
+def _same_numpy_state(now: Any, then: Any) -> bool:
+    # Legacy state tuples: (name, key array, position, has_gauss, cached_gaussian).
+    if now is None or len(now) != len(then):
+        return False
+    if any(a != b for i, (a, b) in enumerate(zip(now, then)) if i != 1):
+        return False
+    return bool((now[1] == then[1]).all())

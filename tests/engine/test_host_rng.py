@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+import sys
 
 import pytest
 import torch
@@ -90,3 +91,27 @@ def test_preserve_rng_state_false_leaves_python_random_alone():
     random.seed(2)
     gradckpt.checkpoint(fn, x, preserve_rng_state=False).sum().backward()
     assert calls[0] != calls[1]  # not replayed: the documented opt-out
+
+
+def test_regions_that_draw_nothing_skip_the_host_replay():
+    # Reading and writing a NumPy state costs tens of microseconds: a region
+    # that drew nothing from the host RNGs forgets their states after its forward.
+    np = sys.modules.get("numpy")  # checked only where NumPy is installed and imported
+    frames = []
+
+    def quiet(x):
+        frames.append(gradckpt.engine.active_frame()[0])
+        return x.sin()
+
+    def noisy(x):
+        frames.append(gradckpt.engine.active_frame()[0])
+        drawn = random.random() * (float(np.random.rand()) if np is not None else 1.0)
+        return x * drawn
+
+    x = torch.randn(3, requires_grad=True)
+    keep = [gradckpt.checkpoint(quiet, x), gradckpt.checkpoint(noisy, x)]
+    quiet_state, noisy_state = (frame._state for frame in frames)
+    assert quiet_state.python_rng is None and quiet_state.numpy_rng is None
+    assert noisy_state.python_rng is not None
+    assert (noisy_state.numpy_rng is not None) == (np is not None)
+    del keep
