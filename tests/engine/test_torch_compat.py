@@ -565,6 +565,8 @@ def _two_outputs() -> tuple[Callable[..., Any], list[int]]:
 
 @behaviour
 def graph_exec_group_recomputes_once(ckpt):
+    if not hasattr(tc, "GraphExecGroup"):
+        pytest.skip("this torch has no GraphExecGroup")
     fn, calls = _two_outputs()
     a, b = leaf(3), leaf(3, seed=1)
     o1, o2 = ckpt(fn, a, b)
@@ -578,6 +580,8 @@ def graph_exec_group_recomputes_once(ckpt):
 
 @behaviour
 def graph_exec_group_refuses_overlap(ckpt):
+    if not hasattr(tc, "GraphExecGroup"):
+        pytest.skip("this torch has no GraphExecGroup")
     fn, _ = _two_outputs()
     a, b = leaf(3), leaf(3, seed=1)
     o1, _ = ckpt(fn, a, b)
