@@ -34,6 +34,7 @@ from gradckpt.engine.holders import (
     CheckpointError,
     Deferred,
     Holder,
+    PassId,
     active_frame,
     current_exec_group,
     in_region_forward,
@@ -105,7 +106,7 @@ class Frame:
         self._mutated: list[torch.Tensor] = []
         top = active_frame()
         # Opened during an enclosing region's recompute: holders come from it.
-        self.parent: tuple[Frame, int] | None = (
+        self.parent: tuple[Frame, PassId] | None = (
             (top[0], top[1]) if top is not None and top[1] is not None else None
         )
         self.slots: list[weakref.ref[Holder] | None] = []
@@ -114,9 +115,9 @@ class Frame:
         self.op_count = 0
         self.forward_completed = False
         self.lenient_count = False
-        self.recomputed: set[int] = set()
-        self.counters: dict[int, int] = {}
-        self.stops: dict[int, int] = {}
+        self.recomputed: set[PassId] = set()
+        self.counters: dict[PassId, int] = {}
+        self.stops: dict[PassId, int] = {}
         self.forward_log: list[str] | None = [] if debug else None
         self.recompute_log: list[str] | None = None
         self._inputs: KeptInputs | None = None
@@ -222,7 +223,7 @@ class Frame:
         """Rerun the region from its inputs (subclasses replay differently)."""
         return self.body(inputs)
 
-    def _fill(self, gid: int, value: Any, x: torch.Tensor) -> Holder | None:
+    def _fill(self, gid: PassId, value: Any, x: torch.Tensor) -> Holder | None:
         index = self.counters[gid]
         self.counters[gid] = index + 1
         if index >= len(self.slots):
@@ -250,11 +251,11 @@ class Frame:
         holder.values[gid] = value
         return holder
 
-    def _maybe_stop(self, gid: int) -> None:
+    def _maybe_stop(self, gid: PassId) -> None:
         if self.early_stop and self.counters[gid] > self.stops[gid]:
             raise _StopRecompute(self)
 
-    def _pack_recompute(self, gid: int) -> Callable[[torch.Tensor], Any]:
+    def _pack_recompute(self, gid: PassId) -> Callable[[torch.Tensor], Any]:
         def pack(x: torch.Tensor) -> Any:
             # Detach only what carries a graph: a tensor without one is handed
             # back as itself (identity and Python attributes kept, as in torch).
@@ -265,7 +266,7 @@ class Frame:
 
         return pack
 
-    def recompute(self, gid: int) -> None:
+    def recompute(self, gid: PassId) -> None:
         """Run the region again (once per backward pass) and fill its holders."""
         if gid in self.recomputed:
             return
@@ -371,7 +372,7 @@ class Frame:
                 for t, value in kept:
                     t.copy_(value)
 
-    def _release(self, gid: int) -> None:
+    def _release(self, gid: PassId) -> None:
         """Forget backward pass ``gid`` (called when it ends)."""
         self.recomputed.discard(gid)
         for ref in self.slots:

@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "Deferred",
     "Holder",
+    "PassId",
     "active_frame",
     "current_exec_group",
     "graph_id",
@@ -83,20 +84,24 @@ class Deferred:
         self.frame = frame
 
 
+#: Identifies one backward pass: autograd's graph task id, or ``("group", n)`` for
+#: all backward calls under one ``GraphExecGroup``.
+PassId = int | tuple[str, int]
+
 _CONSUMED = object()
 _MISSING = object()
 _LOCAL = threading.local()
 _fresh_ids = itertools.count(start=1 << 62)
 
 
-def region_stack() -> list[tuple[Frame, int | None]]:
+def region_stack() -> list[tuple[Frame, PassId | None]]:
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
 
 
-def active_frame() -> tuple[Frame, int | None] | None:
+def active_frame() -> tuple[Frame, PassId | None] | None:
     """The innermost running region and its backward id (None during its forward)."""
     stack = region_stack()
     return stack[-1] if stack else None
@@ -109,10 +114,10 @@ def in_region_forward() -> bool:
 
 
 current_exec_group = getattr(torch._C, "_get_graph_exec_group", lambda: None)
-_GROUP_IDS: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+_GROUP_IDS: weakref.WeakKeyDictionary[Any, PassId] = weakref.WeakKeyDictionary()
 
 
-def graph_id() -> Any:
+def graph_id() -> PassId:
     """The id of the backward pass that unpacks now: regions recompute once per id.
 
     Inside ``torch.utils.checkpoint.GraphExecGroup`` all backward calls share
@@ -128,7 +133,7 @@ def graph_id() -> Any:
     return next(_fresh_ids) if gid == -1 else gid
 
 
-def group_id(group: Any) -> tuple[str, int]:
+def group_id(group: Any) -> PassId:
     # A key that does not keep the group alive (holders keep their keys).
     found = _GROUP_IDS.get(group)
     if found is None:
@@ -136,11 +141,11 @@ def group_id(group: Any) -> tuple[str, int]:
     return found
 
 
-def is_group_id(gid: Any) -> bool:
+def is_group_id(gid: PassId) -> bool:
     return type(gid) is tuple
 
 
-def running_gid(frame: Frame) -> Any:
+def running_gid(frame: Frame) -> PassId | None:
     """The backward id ``frame`` is being recomputed for on this thread, or None."""
     for running, gid in reversed(region_stack()):
         if running is frame and gid is not None:
@@ -165,7 +170,7 @@ def unpack(packed: Any) -> Any:
         ) from exc
 
 
-def _deferred_by_running_recompute(holder: Holder, gid: Any) -> Deferred | None:
+def _deferred_by_running_recompute(holder: Holder, gid: PassId) -> Deferred | None:
     # The innermost recompute running on this thread (for another pass) that
     # handed this holder to a nested region.
     for _, running in reversed(region_stack()):
