@@ -122,15 +122,22 @@ def graph_id() -> PassId:
 
     Inside ``torch.utils.checkpoint.GraphExecGroup`` all backward calls share
     one id (the group's), so a backward split into several ``autograd.grad``
-    calls recomputes each region once, as torch's checkpoint does.
+    calls recomputes each region once, as torch's checkpoint does. A backward
+    started inside a recompute (``autograd.grad`` in checkpointed code) is a
+    pass of its own even then: it belongs to the region's code, not to the
+    caller's group, and must not consume what the group's backward still needs.
     """
     group = current_exec_group()
-    if group is not None:
+    if group is not None and not _recompute_running():
         return group_id(group)
     gid = torch._C._current_graph_task_id()
     # Unpacking outside backward (e.g. reading grad_fn._saved_*) gets a fresh
     # id, so it recomputes rather than reading a stale pass.
     return next(_fresh_ids) if gid == -1 else gid
+
+
+def _recompute_running() -> bool:
+    return any(gid is not None for _, gid in region_stack())
 
 
 def group_id(group: Any) -> PassId:

@@ -140,3 +140,19 @@ def test_a_real_runaway_ends_in_checkpoint_error_at_the_default_cap(monkeypatch)
     out = compose("cgc", gradckpt.checkpoint)(x)
     with pytest.raises(torch.utils.checkpoint.CheckpointError, match="at most 32"):
         torch.autograd.grad(out.sum(), x)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint, "GraphExecGroup"), reason="no GraphExecGroup"
+)
+@pytest.mark.parametrize("ops", DEPTH_2 + DEPTH_3)
+def test_nested_double_backward_inside_a_graph_exec_group(ops):
+    # The autograd.grad calls inside the checkpointed code are passes of their
+    # own, not part of the caller's group (torch's checkpoint refuses 7 of these).
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_(True)
+    out = compose(ops, gradckpt.checkpoint)(x)
+    with torch.utils.checkpoint.GraphExecGroup():
+        (got,) = torch.autograd.grad(out.sum(), x)
+    (expected,) = torch.autograd.grad(compose(ops, None)(x).sum(), x)
+    assert torch.equal(got, expected)

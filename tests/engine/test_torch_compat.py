@@ -41,7 +41,12 @@ IMPLS: dict[str, Ckpt] = {
 
 BEHAVIOURS: dict[str, Callable[[Ckpt], None]] = {}
 #: Behaviours torch's checkpoint fails today and gradckpt passes.
-BEYOND_TORCH = {"batchnorm_stats_once", "python_random_replayed", "numpy_random_replayed"}
+BEYOND_TORCH = {
+    "batchnorm_stats_once",
+    "python_random_replayed",
+    "numpy_random_replayed",
+    "nested_double_backward_in_a_graph_exec_group",
+}
 
 
 def behaviour(fn: Callable[[Ckpt], None]) -> Callable[[Ckpt], None]:
@@ -591,6 +596,17 @@ def graph_exec_group_refuses_overlap(ckpt):
 
 
 # ------------------------------------------------------------------ beyond torch
+
+
+@behaviour
+def nested_double_backward_in_a_graph_exec_group(ckpt):
+    if not hasattr(tc, "GraphExecGroup"):
+        pytest.skip("this torch has no GraphExecGroup")
+    x = leaf(4)
+    out = ckpt(_grad_of(_grad_of(lambda t: ckpt(_cube, t))), x)
+    with tc.GraphExecGroup():
+        (g,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(g, grads(_grad_of(_grad_of(_cube))(x), [x])[0])
 
 
 @behaviour
