@@ -172,8 +172,9 @@ def unpack(packed: Any) -> Any:
     except RecursionError as exc:
         # Never let the autograd engine turn this into a bare SystemError.
         raise CheckpointError(
-            "recomputing checkpointed regions recursed without end while unpacking a saved "
-            "tensor; please report this with the model code."
+            "Python's recursion limit was hit while recomputing a checkpointed region for "
+            "backward (in the region's own code, or regions recomputing each other); see the "
+            "RecursionError above. If the code is fine, report this with the model code."
         ) from exc
 
 

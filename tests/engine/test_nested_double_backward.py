@@ -16,6 +16,7 @@ of the gradient of f; ``"cgc"`` is ``c(grad(c(f)))``.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -156,3 +157,21 @@ def test_nested_double_backward_inside_a_graph_exec_group(ops):
         (got,) = torch.autograd.grad(out.sum(), x)
     (expected,) = torch.autograd.grad(compose(ops, None)(x).sum(), x)
     assert torch.equal(got, expected)
+
+
+def test_a_recursion_error_in_the_recompute_is_a_checkpoint_error_with_its_cause():
+    calls = []
+
+    def deep(n: int, x: torch.Tensor) -> torch.Tensor:
+        return x if n == 0 else deep(n - 1, x)
+
+    def fn(x):
+        calls.append(1)
+        if len(calls) > 1:
+            deep(sys.getrecursionlimit() + 10, x)  # only the recompute recurses too deep
+        return x.sin()
+
+    out = gradckpt.checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="recursion limit") as info:
+        out.sum().backward()
+    assert isinstance(info.value.__cause__, RecursionError)
