@@ -385,7 +385,11 @@ class Frame:
             return ""
         fwd = "\n  ".join(self.forward_log) or "(none)"
         rec = "\n  ".join(self.recompute_log or []) or "(none)"
-        return f"\nOps in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
+        return (
+            "\nDetected non-determinism while running activation checkpointing (debug=True): "
+            "compare the two op sequences.\n"
+            f"Ops in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
+        )
 
 
 def _torch_toggle(name: str, explicit: bool | None, default: bool) -> bool:

@@ -79,6 +79,7 @@ def test_debug_toggle_and_keyword(toggle, keyword, logs):
     with pytest.raises(gradckpt.CheckpointError) as info:
         out.sum().backward()
     assert ("Ops in the recompute" in str(info.value)) == logs
+    assert ("Detected non-determinism while running activation" in str(info.value)) == logs
 
 
 def test_toggles_are_read_by_every_region_not_only_checkpoint():
