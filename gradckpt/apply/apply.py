@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 from torch import nn
 
 from gradckpt.apply.wrappers import (
+    RootGuard,
     SegmentSpec,
+    UnitForward,
     UnitSpec,
     fsdp_sharded,
+    make_opaque,
     make_root_guard,
     make_wrapper,
     plan_policy,
@@ -41,12 +43,20 @@ class _Installed:
     units: dict[str, UnitSpec]
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+# What apply installed lives on the model itself (not in a registry keyed by the
+# model), so a deepcopy or an unpickled copy carries its own record, pointing at
+# its own modules, and remove() works on it.
+_STATE = "_gradckpt_installed"
+
+
+def _installed(model: nn.Module) -> _Installed | None:
+    found = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    return found if isinstance(found, _Installed) else None
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan installed on ``model`` by :func:`apply`, or None."""
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     return installed.plan if installed is not None else None
 
 
@@ -56,7 +66,7 @@ def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
     Integrations adjust them in place (``gradckpt.integrations.compile`` sets
     their compiled bodies); they live until the plan is removed or replaced.
     """
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     return installed.units if installed is not None else {}
 
 
@@ -116,7 +126,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"has {fingerprint}: different modules, parameter shapes or dtypes). Plan this "
             "model with gradckpt.plan(model, loss_fn, budget)."
         )
-    current = _INSTALLED.get(model)
+    current = _installed(model)
     if current is not None:
         if current.plan == plan:
             return model
@@ -136,7 +146,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     except BaseException:
         _restore(installed)
         raise
-    _INSTALLED[model] = installed
+    model.__dict__[_STATE] = installed
     if dynamo.loaded():
         prepare_for_compile(model)
     return model
@@ -150,20 +160,17 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
     kept units stay traceable. ``apply`` does this itself when Dynamo is already
     loaded; ``gradckpt.integrations.compile.compile_model`` calls it.
     """
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     if installed is None:
         return model
     for spec in installed.units.values():
         forward = spec.module.__dict__.get("forward")
         opens_regions = spec.mode != "keep" or bool(spec.segments)
-        if opens_regions and forward is not None and not hasattr(forward, "_torchdynamo_disable"):
-            spec.module.forward = dynamo.opaque(forward)
-    guard = getattr(model.__dict__.get("forward"), "__gradckpt_guard__", None)
-    if guard is not None:
-        # Skip only the guard's own frame: the model's forward still compiles.
-        skipped = dynamo.opaque(guard, recursive=False)
-        skipped.__gradckpt_original__ = model.forward.__gradckpt_original__
-        model.forward = skipped
+        if opens_regions and isinstance(forward, UnitForward):
+            make_opaque(forward)
+    guard = model.__dict__.get("forward")
+    if isinstance(guard, RootGuard):
+        make_opaque(guard)  # skips only the guard's own frame: the model's forward compiles
     return model
 
 
@@ -200,7 +207,8 @@ def remove(model: nn.Module) -> nn.Module:
     Example:
         >>> gradckpt.remove(model)
     """
-    installed = _INSTALLED.pop(model, None)
+    installed = _installed(model)
     if installed is not None:
+        del model.__dict__[_STATE]
         _restore(installed)
     return model

@@ -43,9 +43,13 @@ from gradckpt.engine.frame import Frame
 from gradckpt.engine.holders import CheckpointError, active_frame
 
 __all__ = [
+    "PlanPolicy",
+    "RootGuard",
     "SegmentSpec",
+    "UnitForward",
     "UnitSpec",
     "fsdp_sharded",
+    "make_opaque",
     "make_root_guard",
     "make_wrapper",
     "plan_policy",
@@ -78,31 +82,38 @@ def segment_error(name: str, path: str) -> str:
     )
 
 
-def plan_policy(
-    path: str, save: tuple[int, ...], names: tuple[str, ...]
-) -> Callable[..., Decision]:
-    """Keep the ops at positions ``save``; warn (and recompute) if an op there is not the planned one."""
-    expected = dict(zip(save, names))
-    warned: list[bool] = []
+class PlanPolicy:
+    """Keep the ops at positions ``save``; warn (and recompute) if an op there is not the planned one.
 
-    def policy(ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        name = expected.get(ctx.index)
+    An object rather than a closure so an applied model can be pickled.
+    """
+
+    def __init__(self, path: str, save: tuple[int, ...], names: tuple[str, ...]) -> None:
+        self.path = path
+        self.expected = dict(zip(save, names))
+        self.warned = False
+        self.__name__ = f"plan_policy({path})"
+
+    def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        name = self.expected.get(ctx.index)
         if name is None:
             return RECOMPUTE
         if str(op) == name:
             return SAVE
-        if not warned:
-            warned.append(True)
+        if not self.warned:
+            self.warned = True
             warnings.warn(
-                f"gradckpt: op #{ctx.index} of {path} is {op}, but the plan expected {name}; "
-                "it is recomputed instead of kept. Was the model or its inputs changed "
-                "since planning? Plan again to get the predicted memory.",
+                f"gradckpt: op #{ctx.index} of {self.path} is {op}, but the plan expected "
+                f"{name}; it is recomputed instead of kept. Was the model or its inputs "
+                "changed since planning? Plan again to get the predicted memory.",
                 stacklevel=2,
             )
         return RECOMPUTE
 
-    policy.__name__ = f"plan_policy({path})"
-    return policy
+
+def plan_policy(path: str, save: tuple[int, ...], names: tuple[str, ...]) -> PlanPolicy:
+    """The per-op policy of a selective unit (see :class:`PlanPolicy`)."""
+    return PlanPolicy(path, save, names)
 
 
 @dataclass(eq=False)
@@ -137,6 +148,42 @@ class UnitSpec:
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A compiled body closes over the original module: a copy (deepcopy,
+        # pickle) runs its own module eagerly until it is compiled again.
+        return {**self.__dict__, "plain": _portable(self.plain), "compiled": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, plain=_rebound(state["plain"]))
+
+
+class _ClassMethodOf:
+    """Stands for ``type(owner).<name>`` bound to ``owner`` while a model is copied."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner = owner
+        self.name = name
+
+
+def _portable(fn: Callable[..., Any]) -> Any:
+    """``fn`` in a form that copies and pickles to the copy's own method.
+
+    Pickle stores a bound method as ``getattr(owner, name)``, which on loading
+    finds the *instance* attribute ``forward``, i.e. the wrapper itself, so the
+    class's method is named explicitly instead.
+    """
+    owner, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
+    name = getattr(func, "__name__", None)
+    if owner is not None and name is not None and getattr(type(owner), name, None) is func:
+        return _ClassMethodOf(owner, name)
+    return fn
+
+
+def _rebound(fn: Any) -> Callable[..., Any]:
+    if isinstance(fn, _ClassMethodOf):
+        return getattr(type(fn.owner), fn.name).__get__(fn.owner)
+    return fn
 
 
 def _call_in_region(unit: UnitSpec, args: tuple, kwargs: dict) -> Any:
@@ -223,20 +270,35 @@ def _open_segment(top: tuple[Frame, int | None] | None) -> _SegmentFrame | None:
     return None
 
 
-def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., Any]:
-    """The ``forward`` installed on ``unit.module``."""
-    shape_checked: list[bool] = []
+class UnitForward:
+    """The ``forward`` installed on a unit: decides at call time how the unit runs.
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    An object, not a closure: its state (the unit's spec, holding the module and
+    its plain forward) is copied with the model, so ``copy.deepcopy``, pickle
+    and ``torch.save`` give a model whose wrappers run *its* modules.
+    """
+
+    def __init__(self, unit: UnitSpec, units: dict[str, UnitSpec]) -> None:
+        self.unit = unit
+        self.units = units
+        self.shape_checked = False
+
+    @property
+    def __gradckpt_original__(self) -> Callable[..., Any]:
+        return self.unit.plain
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        unit = self.unit
         if dynamo.is_compiling():
             # Traced by Dynamo: a kept unit compiles with its caller; anything
             # that opens or joins a region runs eagerly behind a graph break.
             if not torch.is_grad_enabled() or (unit.mode == "keep" and not unit.segments):
                 return unit.plain(*args, **kwargs)
-            return dynamo.opaque(run)(*args, **kwargs)
-        return run(*args, **kwargs)
+            return dynamo.opaque(self.run)(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        unit, units = self.unit, self.units
         if not torch.is_grad_enabled():
             return (unit.compiled or unit.plain)(*args, **kwargs)
         top = active_frame()
@@ -257,8 +319,8 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., An
                 if segment.segment.paths[-1] == unit.path:
                     segment.end()
             return out
-        if not shape_checked:
-            shape_checked.append(True)
+        if not self.shape_checked:
+            self.shape_checked = True
             _check_shape(unit, args, kwargs)
         context = getattr(top[0], "segment", None) if top is not None else None
         chain = unit.segments
@@ -282,8 +344,14 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> Callable[..., An
             )
         return run_checkpointed(unit.plain, args, kwargs, policy=unit.policy, name=unit.path)
 
-    forward.__gradckpt_original__ = unit.plain  # type: ignore[attr-defined]
-    return forward
+
+class OpaqueUnitForward(UnitForward):
+    """A :class:`UnitForward` whose call Dynamo does not trace (see ``prepare_for_compile``)."""
+
+
+def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> UnitForward:
+    """The ``forward`` installed on ``unit.module``."""
+    return UnitForward(unit, units)
 
 
 def _run_segment_start(
@@ -317,24 +385,39 @@ def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
         )
 
 
-def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap the model's own forward so no segment outlives the call that opened it.
+class RootGuard:
+    """The model's own forward, wrapped so no segment outlives the call that opened it.
 
     A segment's region stays open across several unit calls; if an exception
     escapes between two of them (outside every unit wrapper), its hooks would
     stay installed. The guard closes whatever segments the call left open.
+    An object holding the model's bound forward, so copies of the model call
+    their own forward.
     """
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"forward": _portable(self.forward)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.forward = _rebound(state["forward"])
+
+    @property
+    def __gradckpt_original__(self) -> Callable[..., Any]:
+        return self.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if dynamo.is_compiling():
             # Skip only the guard's frame: the model's own forward still compiles.
-            return dynamo.opaque(run, recursive=False)(*args, **kwargs)
-        return run(*args, **kwargs)
+            return dynamo.opaque(self.run, recursive=False)(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         depth = _stack_depth()
         try:
-            return forward(*args, **kwargs)
+            return self.forward(*args, **kwargs)
         except BaseException as exc:
             _close_segments_above(depth, exc)
             raise
@@ -346,9 +429,34 @@ def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
                     "Plan the model again."
                 )
 
-    guarded.__gradckpt_original__ = forward  # type: ignore[attr-defined]
-    guarded.__gradckpt_guard__ = run  # type: ignore[attr-defined]
-    return guarded
+
+class OpaqueRootGuard(RootGuard):
+    """A :class:`RootGuard` whose own frame Dynamo skips (see ``prepare_for_compile``)."""
+
+
+def make_root_guard(forward: Callable[..., Any]) -> RootGuard:
+    """The guard installed as the model's ``forward`` when the plan has segments."""
+    return RootGuard(forward)
+
+
+def make_opaque(forward: UnitForward | RootGuard) -> None:
+    """Let compiled callers graph-break at ``forward`` instead of tracing into it.
+
+    The switch is of class (the classes' calls are made Dynamo-disabled once,
+    here, so Dynamo is imported only by callers that compile), so the object
+    stays a plain, copyable and picklable one.
+    """
+    for cls, base, recursive in (
+        (OpaqueUnitForward, UnitForward, True),
+        (OpaqueRootGuard, RootGuard, False),
+    ):
+        if "_gradckpt_disabled" not in cls.__dict__:
+            cls.__call__ = torch.compiler.disable(base.__call__, recursive=recursive)
+            cls._gradckpt_disabled = True
+    if type(forward) is UnitForward:
+        forward.__class__ = OpaqueUnitForward
+    elif type(forward) is RootGuard:
+        forward.__class__ = OpaqueRootGuard
 
 
 def _stack_depth() -> int:
