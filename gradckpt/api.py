@@ -61,6 +61,8 @@ def plan(
     Args:
         model: the model to plan for.
         loss_fn: zero-argument callable: one forward on a representative batch, returns the loss.
+            Called ``1 + 2 * repeats`` times while profiling (see :func:`gradckpt.profile`);
+            everything it touches is left as found.
         budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
             (0, 1] meaning that fraction of the uncheckpointed peak.
         blocks: the repeated blocks (paths or predicate); found automatically if None.
