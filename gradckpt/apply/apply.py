@@ -142,7 +142,11 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         if any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
-            model.forward = make_root_guard(model.forward)
+            guard = make_root_guard(model.forward)
+            for module, _, _ in installed.modules:
+                if isinstance(module.__dict__.get("forward"), UnitForward):
+                    module.__dict__["forward"].root = guard  # segments open only inside it
+            model.forward = guard
     except BaseException:
         _restore(installed)
         raise

@@ -26,6 +26,7 @@ rerun them compiled (``Frame(compiled=True)``).
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -282,6 +283,7 @@ class UnitForward:
         self.unit = unit
         self.units = units
         self.shape_checked = False
+        self.root: RootGuard | None = None  # the model's guard, when the plan has segments
 
     @property
     def __gradckpt_original__(self) -> Callable[..., Any]:
@@ -325,6 +327,11 @@ class UnitForward:
         context = getattr(top[0], "segment", None) if top is not None else None
         chain = unit.segments
         level = chain.index(context) + 1 if context in chain else 0
+        if level < len(chain) and top is None and not _running(self.root):
+            # Called outside the model's forward (a block alone, a slice of the
+            # model): no planned segment spans this call, so the unit runs as its
+            # own choice says, opening nothing that outlives the call.
+            level = len(chain)
         if level < len(chain):
             spec = chain[level]
             if spec.paths[0] != unit.path:
@@ -416,12 +423,15 @@ class RootGuard:
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         depth = _stack_depth()
+        roots = _running_roots()
+        roots.append(self)
         try:
             return self.forward(*args, **kwargs)
         except BaseException as exc:
             _close_segments_above(depth, exc)
             raise
         finally:
+            roots.pop()
             if _close_segments_above(depth, None):
                 raise CheckpointError(
                     "gradckpt: a planned segment was still open when the forward returned; "
@@ -457,6 +467,21 @@ def make_opaque(forward: UnitForward | RootGuard) -> None:
         forward.__class__ = OpaqueUnitForward
     elif type(forward) is RootGuard:
         forward.__class__ = OpaqueRootGuard
+
+
+_LOCAL = threading.local()
+
+
+def _running_roots() -> list[RootGuard]:
+    """The model forwards (guards) running on this thread, innermost last."""
+    roots = getattr(_LOCAL, "roots", None)
+    if roots is None:
+        roots = _LOCAL.roots = []
+    return roots
+
+
+def _running(root: RootGuard | None) -> bool:
+    return root is not None and any(r is root for r in _running_roots())
 
 
 def _stack_depth() -> int:

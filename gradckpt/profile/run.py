@@ -105,9 +105,7 @@ def _run_pass(
     return recorder
 
 
-def _time_plain_step(
-    loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int
-) -> float:
+def _time_plain_step(loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         guard.reset()
