@@ -26,10 +26,11 @@ rerun them compiled (``Frame(compiled=True)``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +217,38 @@ class _SegmentFrame(Frame):
         self.units = units
         self.calls: list[tuple[list[Any], Any, int]] = []  # flat args, spec, chain position
         self._last_output: weakref.ref | None = None
+        # A forward hook may replace a unit's output: the next unit's chain input is
+        # what the hooks returned, so note it after them (the last unit's hooks run
+        # after the segment closed).
+        self._output_hooks = [
+            u.module.register_forward_hook(self._note_hooked_output)
+            for u in members[:-1]
+            if u.module._forward_hooks or nn.modules.module._global_forward_hooks
+        ]
+        # Likewise a pre-hook may replace a unit's inputs: record them before the
+        # pre-hooks run, and the replay (which calls the module) runs them again.
+        self._raw_inputs: dict[int, tuple[list[Any], Any]] = {}
+        self._output_hooks += [
+            u.module.register_forward_pre_hook(
+                self._note_raw_inputs, prepend=True, with_kwargs=True
+            )
+            for u in members[1:]
+            if u.module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks
+        ]
+
+    def _note_raw_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._exit is not None:
+            self._raw_inputs[id(module)] = tree_flatten((args, kwargs))
+
+    def _note_hooked_output(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._exit is not None:  # still the segment's forward
+            self.note_output(out)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = []
+        super().end(exc)
 
     def record(self, spec_path: str, flat: list[Any], tree: Any) -> None:
         expected = (
@@ -235,6 +268,7 @@ class _SegmentFrame(Frame):
         if not self.calls:
             self.calls.append(([None] * len(flat), tree, -1))
             return
+        flat, tree = self._raw_inputs.pop(id(self.units[spec_path].module), (flat, tree))
         last = self._last_output() if self._last_output is not None else None
         for i, x in enumerate(flat):
             if last is not None and x is last:
@@ -254,15 +288,36 @@ class _SegmentFrame(Frame):
         self._last_output = weakref.ref(first) if first is not None else None
 
     def run_body(self, inputs: list[Any]) -> None:
+        # Each unit is called as a module, so its hooks run as in the forward
+        # (also hooks registered after apply), except those that ran outside the
+        # region: the first unit's pre-hooks (the saved inputs already passed
+        # them) and the last unit's forward hooks (they ran after it closed).
         previous = None
-        for path, (flat, tree, chain_at) in zip(self.segment.paths, self.calls):
+        last = len(self.calls) - 1
+        for i, (path, (flat, tree, chain_at)) in enumerate(zip(self.segment.paths, self.calls)):
             args = list(inputs) if chain_at < 0 else list(flat)
             if chain_at >= 0:
                 args[chain_at] = previous
             call_args, call_kwargs = tree_unflatten(args, tree)
-            out = self.units[path].module.forward(*call_args, **call_kwargs)
+            module = self.units[path].module
+            with _hooks_skipped(module, pre=i == 0, post=i == last):
+                out = module(*call_args, **call_kwargs)
             flat_out, _ = tree_flatten(out)
             previous = next((x for x in flat_out if isinstance(x, torch.Tensor)), None)
+
+
+@contextlib.contextmanager
+def _hooks_skipped(module: nn.Module, *, pre: bool, post: bool) -> Iterator[None]:
+    """Call ``module`` without its own forward pre-hooks (``pre``) or forward hooks (``post``)."""
+    saved = {}
+    for name, skip in (("_forward_pre_hooks", pre), ("_forward_hooks", post)):
+        if skip and getattr(module, name):
+            saved[name] = module.__dict__[name]
+            module.__dict__[name] = type(saved[name])()
+    try:
+        yield
+    finally:
+        module.__dict__.update(saved)
 
 
 def _open_segment(top: tuple[Frame, int | None] | None) -> _SegmentFrame | None:
