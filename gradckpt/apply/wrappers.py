@@ -217,6 +217,7 @@ class _SegmentFrame(Frame):
         self.units = units
         self.calls: list[tuple[list[Any], Any, int]] = []  # flat args, spec, chain position
         self._last_output: weakref.ref | None = None
+        self._last_version = 0
         # A forward hook may replace a unit's output: the next unit's chain input is
         # what the hooks returned, so note it after them (the last unit's hooks run
         # after the segment closed).
@@ -227,7 +228,7 @@ class _SegmentFrame(Frame):
         ]
         # Likewise a pre-hook may replace a unit's inputs: record them before the
         # pre-hooks run, and the replay (which calls the module) runs them again.
-        self._raw_inputs: dict[int, tuple[list[Any], Any]] = {}
+        self._raw_inputs: dict[int, tuple[list[Any], Any, list[int]]] = {}
         self._output_hooks += [
             u.module.register_forward_pre_hook(
                 self._note_raw_inputs, prepend=True, with_kwargs=True
@@ -238,7 +239,9 @@ class _SegmentFrame(Frame):
 
     def _note_raw_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._exit is not None:
-            self._raw_inputs[id(module)] = tree_flatten((args, kwargs))
+            flat, tree = tree_flatten((args, kwargs))
+            versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in flat]
+            self._raw_inputs[id(module)] = (flat, tree, versions)
 
     def _note_hooked_output(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._exit is not None:  # still the segment's forward
@@ -268,10 +271,23 @@ class _SegmentFrame(Frame):
         if not self.calls:
             self.calls.append(([None] * len(flat), tree, -1))
             return
-        flat, tree = self._raw_inputs.pop(id(self.units[spec_path].module), (flat, tree))
+        versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in flat]
+        raw = self._raw_inputs.pop(id(self.units[spec_path].module), None)
+        if raw is not None:  # the inputs as they were before the unit's pre-hooks
+            flat, tree, versions = raw
         last = self._last_output() if self._last_output is not None else None
         for i, x in enumerate(flat):
             if last is not None and x is last:
+                if versions[i] != self._last_version:
+                    # The replay hands the output straight to the next unit: code
+                    # between them (an in-place edit) would not run again.
+                    raise CheckpointError(
+                        f"gradckpt: the forward changed the output of the unit before "
+                        f"{spec_path} in place between the two units, inside "
+                        f"{self.segment.name}; its recompute would not repeat that edit. "
+                        "The plan was made for a forward without it: plan the model again "
+                        "(no segment will span the edit)."
+                    )
                 kept = list(flat)
                 kept[i] = None
                 self.calls.append((kept, tree, i))
@@ -286,6 +302,7 @@ class _SegmentFrame(Frame):
         flat, _ = tree_flatten(out)
         first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
         self._last_output = weakref.ref(first) if first is not None else None
+        self._last_version = first._version if first is not None else 0
 
     def run_body(self, inputs: list[Any]) -> None:
         # Each unit is called as a module, so its hooks run as in the forward
