@@ -21,6 +21,7 @@ from gradckpt.plan.dp import ChainDP, Tree
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
+from gradckpt.profile.fake import SPEEDS, estimate_time
 from gradckpt.profile.records import Profile, UnitRecord
 
 __all__ = [
@@ -85,19 +86,58 @@ def _where(profile: Profile, position: int) -> str:
     return f"the {phase} of {unit}"
 
 
-def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[Plan, Prediction]:
-    """The leanest plan the solver reaches, with predictions.
+def least_peak_plan(
+    profile: Profile,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
+    *,
+    segments: bool = True,
+) -> tuple[Plan, Prediction]:
+    """The leanest plan the solver reaches, with predictions (its ``peak_bytes`` is the least peak).
 
-    The DP's plan at its least feasible budget, then pushed lower by the
-    simulator-checked repair moves (the DP's model is exact only for the plans
-    it is calibrated on, so its own floor may sit a little above the true one).
+    The least of: the DP's plan at its least feasible budget, pushed lower by the
+    simulator-checked repair moves (the DP's model is exact only for the plans it
+    is calibrated on); the plain plan; and the baselines' plans. So it is never
+    above the plain peak or a hand-placed scheme's. Op times do not enter (the
+    search runs on times estimated from FLOPs and bytes): profiles of one step
+    taken on a busy machine all give the same least peak. ``model`` and ``dp``
+    are read only for whether segments are allowed (``without_segments``).
+
+    Example:
+        >>> plan, pred = least_peak_plan(prof)
+        >>> pred.peak_bytes  # no budget below this is reachable
     """
-    m = dp.least_feasible()
-    if m is None:
-        raise BudgetError("no schedule of this model fits even its plain peak (internal)")
-    plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
-    plan, _ = repair(profile, plan, 0, model)
-    return finish(profile, plan, None, "dp")
+    if model is not None and not any(st.joins_previous for st in model.chain.stages):
+        segments = False
+    steady = _timeless(profile)
+    chain = build_chain(steady)
+    if not segments:
+        chain = without_segments(chain)
+    candidates = [none_plan(profile), every_kth_plan(profile, 1), save_matmuls_plan(profile)]
+    if segments:
+        candidates.append(sqrt_plan(profile))
+    least_dp = ChainDP(chain.chain)
+    m = least_dp.least_feasible()
+    if m is not None:
+        plan = Plan(_items(chain, least_dp.schedule(m)), profile.fingerprint)
+        candidates.insert(0, repair(steady, plan, 0, chain)[0])
+    best = min(candidates, key=lambda plan: simulate(profile, plan).peak_bytes)  # first on ties
+    return finish(profile, best, None, "dp")
+
+
+def _timeless(profile: Profile) -> Profile:
+    """``profile`` with each op's time replaced by one estimated from its FLOPs and bytes."""
+    speed = SPEEDS.get(profile.device, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(
+                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+            ),
+        )
+        for op in profile.ops
+    )
+    return replace(profile, ops=ops)
 
 
 def without_segments(model: ChainModel) -> ChainModel:
@@ -145,17 +185,25 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
             return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
-    leanest, pred = least_peak_plan(profile, model, dp)
+    leanest, pred = least_peak_plan(profile, segments=segments)
     if pred.peak_bytes <= budget:
         return finish(profile, polish(profile, leanest, budget, model), budget, "dp")[0]
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
-        f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
+        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
         f"are {format_bytes(profile.param_bytes)} and the rest (activations, gradients and "
         f"temporaries) peaks during {_where(profile, pred.peak_position)}. Raise the budget, "
         "or shrink the batch or sequence length.",
         least_peak_bytes=pred.peak_bytes,
     )
+
+
+def _written(nbytes: int) -> str:
+    """``nbytes`` for a message: rounded up (so it works as a budget) and exact."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{math.ceil(nbytes * 100 / size) / 100:.2f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
 
 
 # ------------------------------------------------------------------ baselines
