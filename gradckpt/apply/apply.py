@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -27,6 +28,7 @@ __all__ = [
     "applied_plan",
     "applied_units",
     "apply",
+    "on_remove",
     "prepare_for_compile",
     "remove",
 ]
@@ -41,6 +43,8 @@ class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
     units: dict[str, UnitSpec]
+    installed: list[UnitForward | RootGuard] = field(default_factory=list)  # per modules entry
+    undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
 
 
 # What apply installed lives on the model itself (not in a registry keyed by the
@@ -127,25 +131,29 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             "model with gradckpt.plan(model, loss_fn, budget)."
         )
     current = _installed(model)
+    undo: list[Callable[[], None]] = []
     if current is not None:
         if current.plan == plan:
             return model
+        undo = current.undo  # settings made for the plan (use_cache) stay for the next one
+        current.undo = []
         remove(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
-    installed = _Installed(plan, [], specs)
+    installed = _Installed(plan, [], specs, undo=undo)
     try:
         for spec in specs.values():
             module = spec.module
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
-            module.forward = make_wrapper(spec, specs)
+            installed.installed.append(make_wrapper(spec, specs))
+            module.forward = installed.installed[-1]
         if any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
             guard = make_root_guard(model.forward)
-            for module, _, _ in installed.modules:
-                if isinstance(module.__dict__.get("forward"), UnitForward):
-                    module.__dict__["forward"].root = guard  # segments open only inside it
+            for wrapper in installed.installed:
+                wrapper.root = guard  # segments open only inside the model's forward
+            installed.installed.append(guard)
             model.forward = guard
     except BaseException:
         _restore(installed)
@@ -198,11 +206,33 @@ def _refuse_segments_under_fsdp(model: nn.Module, plan: Plan) -> None:
 
 
 def _restore(installed: _Installed) -> None:
-    for module, had_own, previous in reversed(installed.modules):
+    for i, (module, had_own, previous) in reversed(list(enumerate(installed.modules))):
+        ours = installed.installed[i] if i < len(installed.installed) else None
+        current = module.__dict__.get("forward")
+        if ours is not None and current is not ours:
+            # Another library wrapped our forward after apply (it calls ours):
+            # keep its wrapper and make ours pass straight through.
+            ours.active = False
+            continue
         if had_own:
             module.forward = previous
         else:
             module.__dict__.pop("forward", None)
+
+
+def on_remove(model: nn.Module, undo: Callable[[], None]) -> None:
+    """Have :func:`remove` call ``undo`` (integrations put back settings made for the plan).
+
+    ``undo`` lives with the applied plan on the model, so it must copy and
+    pickle with it (a module-level function or a small object, not a closure).
+
+    Example:
+        >>> on_remove(model, RestoreCache(configs))
+    """
+    installed = _installed(model)
+    if installed is None:
+        raise ValueError("on_remove: no plan is applied to this model")
+    installed.undo.append(undo)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -215,4 +245,6 @@ def remove(model: nn.Module) -> nn.Module:
     if installed is not None:
         del model.__dict__[_STATE]
         _restore(installed)
+        for undo in reversed(installed.undo):
+            undo()
     return model

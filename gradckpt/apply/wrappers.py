@@ -356,6 +356,7 @@ class UnitForward:
         self.units = units
         self.shape_checked = False
         self.root: RootGuard | None = None  # the model's guard, when the plan has segments
+        self.active = True  # False once removed while another wrapper still calls this one
 
     @property
     def __gradckpt_original__(self) -> Callable[..., Any]:
@@ -363,6 +364,8 @@ class UnitForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         unit = self.unit
+        if not self.active:
+            return unit.plain(*args, **kwargs)
         if dynamo.is_compiling():
             # Traced by Dynamo: a kept unit compiles with its caller; anything
             # that opens or joins a region runs eagerly behind a graph break.
@@ -476,18 +479,22 @@ class RootGuard:
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
+        self.active = True  # False once removed while another wrapper still calls this one
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"forward": _portable(self.forward)}
+        return {"forward": _portable(self.forward), "active": self.active}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.forward = _rebound(state["forward"])
+        self.active = state.get("active", True)
 
     @property
     def __gradckpt_original__(self) -> Callable[..., Any]:
         return self.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.forward(*args, **kwargs)
         if dynamo.is_compiling():
             # Skip only the guard's frame: the model's own forward still compiles.
             return dynamo.opaque(self.run, recursive=False)(*args, **kwargs)
