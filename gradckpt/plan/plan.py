@@ -113,6 +113,9 @@ class Plan:
     predicted_recompute_flops: int = 0
     solver: str = ""
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Units called more than once per step (shared weights), with their call
+    # counts: never checkpointed, always kept whole; said in the summary.
+    not_planned: tuple[tuple[str, int], ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -135,6 +138,7 @@ class Plan:
         data = asdict(self)
         data["items"] = [_item_to_json(i) for i in self.items]
         data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
+        data["not_planned"] = [[p, n] for p, n in self.not_planned]
         return {"kind": "gradckpt.Plan", **data}
 
     @classmethod
@@ -143,6 +147,7 @@ class Plan:
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields["items"] = tuple(_item_from_json(i) for i in data["items"])
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data["input_shapes"])
+        fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
         return cls(**fields)
 
     def save(self, path: str | Path) -> None:

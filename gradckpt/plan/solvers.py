@@ -57,6 +57,7 @@ def finish(
             predicted_recompute_flops=pred.recompute_flops,
             solver=solver,
             input_shapes=profile.input_shapes,
+            not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
         ),
         pred,
     )
@@ -199,11 +200,8 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
 
 
 def _written(nbytes: int) -> str:
-    """``nbytes`` for a message: rounded up (so it works as a budget) and exact."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{math.ceil(nbytes * 100 / size) / 100:.2f} {unit} ({nbytes} bytes)"
-    return f"{nbytes} bytes"
+    """``nbytes`` for a message: MiB rounded up (so it works as a budget), and exact."""
+    return f"{math.ceil(nbytes * 100 / 2**20) / 100:.2f} MiB ({nbytes} bytes)"
 
 
 # ------------------------------------------------------------------ baselines
