@@ -120,8 +120,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         >>> plan = gradckpt.Plan.load("plan.json")
         >>> gradckpt.apply(model, plan)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply needs a torch.nn.Module to apply to, got {type(model).__name__}")
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply needs a gradckpt.Plan, got {type(plan).__name__}")
+        raise TypeError(
+            f"apply needs a gradckpt.Plan, got {type(plan).__name__} (read a saved plan with "
+            "gradckpt.Plan.load(path))"
+        )
     _refuse_segments_under_fsdp(model, plan)
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.fingerprint:
@@ -241,6 +246,9 @@ def remove(model: nn.Module) -> nn.Module:
     Example:
         >>> gradckpt.remove(model)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove needs the torch.nn.Module a plan was applied to, got "
+                        f"{type(model).__name__}")  # fmt: skip
     installed = _installed(model)
     if installed is not None:
         del model.__dict__[_STATE]

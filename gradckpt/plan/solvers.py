@@ -309,6 +309,14 @@ def solve(
     ``segments=False`` forbids multi-unit regions: the DP does not make them,
     and a baseline that does (``sqrt``) is refused.
     """
+    if not _plannable(profile):
+        raise ValueError(
+            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
+            "step with ops of its own (units are the model's children and its repeated "
+            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
+            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
+            "submodules."
+        )
     if callable(solver):
         chosen = solver(profile, budget)
     elif solver not in SOLVERS:

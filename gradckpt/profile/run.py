@@ -81,6 +81,13 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
                 del module.forward
 
 
+_BACKWARD_INSIDE = (
+    "loss_fn ran backward() itself; gradckpt runs loss_fn().backward() while profiling, so "
+    "loss_fn must only run the forward and return the loss: move .backward() (and any "
+    "optimizer step) out of it"
+)
+
+
 def _run_pass(
     units: list[Unit], loss_fn: Callable[[], torch.Tensor], state: StepState, *, plain: bool
 ) -> StepRecorder:
@@ -88,7 +95,14 @@ def _run_pass(
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
     with _unit_markers(units, recorder), hooks, RecordMode(recorder):
         recorder.active = True
-        loss = loss_fn()
+        try:
+            loss = loss_fn()
+        except RuntimeError as e:
+            if "forward-only profiling pass cannot run backward" in str(e):
+                raise ProfileError(_BACKWARD_INSIDE) from e
+            raise
+        if any(p.grad is not None for p in state.params):  # they were cleared before the pass
+            raise ProfileError(_BACKWARD_INSIDE)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ProfileError(
                 "loss_fn must run one forward and return a scalar loss tensor that requires "
