@@ -52,3 +52,25 @@ def test_a_second_fit_keeps_the_cache_off_and_one_remove_restores_it():
     gradckpt.remove(ex.model)
     assert _cache(ex.model(**ex.inputs)) is not None
     assert not ex.model._forward_pre_hooks
+
+
+def test_deepcopy_of_a_fitted_gpt2_trains_the_copy():
+    """A reference or EMA model made with deepcopy after fit: its own weights get the gradients."""
+    import copy
+
+    import torch
+
+    ex = hf_example("gpt2", layers=2)
+    plain = copy.deepcopy(ex.model)
+    torch.manual_seed(1)
+    plain(**ex.inputs).loss.backward()
+    _fit(ex)
+    twin = copy.deepcopy(ex.model)
+    torch.manual_seed(1)
+    twin(**ex.inputs).loss.backward()
+    assert all(p.grad is None for p in ex.model.parameters())
+    grads = dict(twin.named_parameters())
+    assert all(torch.equal(p.grad, grads[k].grad) for k, p in plain.named_parameters())
+    gradckpt.remove(twin)
+    assert _cache(twin(**ex.inputs)) is not None  # the copy's own no-cache hook went too
+    gradckpt.remove(ex.model)
