@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "ratio", "time_fn", "time_interleaved"]
+__all__ = ["Timing", "low_estimate", "ratio", "time_fn", "time_interleaved", "work_clock"]
 
 Sync = bool | str | torch.device | Callable[[], None] | None
 
@@ -57,6 +57,39 @@ def ratio(a: Timing, b: Timing) -> float:
     if b.median <= 0:
         raise ValueError(f"cannot divide by a median time of {b.median} s")
     return a.median / b.median
+
+
+def work_clock(device: str | torch.device = "cpu") -> Callable[[], float]:
+    """The clock to time work on ``device`` with: seconds, only differences matter.
+
+    On the CPU it is this thread's CPU time (``time.thread_time``): on a shared
+    machine, wall time also counts the slices the scheduler gave to other
+    processes, which made one op look 4x slower in one profile than in the next;
+    CPU time counts only the work (the autograd engine runs CPU backward on the
+    calling thread too). Elsewhere the host does not do the work: wall time.
+
+    Example:
+        >>> clock = work_clock("cpu"); start = clock(); step(); seconds = clock() - start
+    """
+    kind = torch.device(device).type if not isinstance(device, torch.device) else device.type
+    return time.thread_time if kind == "cpu" else time.perf_counter
+
+
+def low_estimate(times: Any) -> float:
+    """The time a run takes when nothing disturbs it: the least of the measured runs.
+
+    Noise on a shared machine (a cold first run, another process on the core,
+    cache evictions) only ever adds time, so the minimum is the most repeatable
+    statistic of a few runs; a median of three still moves with one bad run.
+
+    Example:
+        >>> low_estimate([0.31, 0.30, 0.45])
+        0.3
+    """
+    values = [float(t) for t in times]
+    if not values:
+        raise ValueError("low_estimate needs at least one measured time")
+    return min(values)
 
 
 def _synchronizer(sync: Sync) -> Callable[[], None] | None:

@@ -6,8 +6,12 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   when each storage would die if autograd kept nothing (inside a checkpointed
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
-  what autograd saves and releases, per-op times (median over the passes) and
-  the measured peak.
+  what autograd saves and releases, per-op times and the measured peak.
+
+Times are taken on :func:`gradckpt.measure.timing.work_clock` (thread CPU time
+on the CPU) and summarized by their least value over the passes
+(:func:`~gradckpt.measure.timing.low_estimate`): load on a shared machine and a
+cold first pass only add time, and plans must not change with them.
 
 Before each pass the RNG, buffers and gradients are reset to what they were on
 entry, and they are restored exactly at the end.
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from gradckpt.measure.memory import state_bytes
+from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
@@ -105,11 +109,11 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
 
 
 def _run_pass(
-    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool
+    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool, device: str = "cpu"
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-    with _unit_markers(units, recorder), hooks, RecordMode(recorder):
+    with _unit_markers(units, recorder), hooks, RecordMode(recorder, device):
         recorder.active = True
         loss = loss_fn()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -128,17 +132,18 @@ def _run_pass(
 
 
 def _time_plain_step(
-    loss_fn: Callable[[], torch.Tensor], guard: _StateGuard, repeats: int
+    loss_fn: Callable[[], torch.Tensor], guard: _StateGuard, repeats: int, device: str = "cpu"
 ) -> float:
+    clock = work_clock(device)  # the clock the op times are on: overheads are their ratio
     times = []
     for _ in range(repeats):
         guard.reset()
-        start = time.perf_counter()
+        start = clock()
         loss_fn().backward()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return low_estimate(times)
 
 
 def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]:
@@ -242,13 +247,14 @@ def profile(
                 guard.reset()
                 passes = [_run_pass(units, loss_fn, plain=True)]
             return _estimated(_assemble(model, units, forward_only, passes, 0.0), where)
+        where = _device_of(model)
         guard.reset()
-        forward_only = _run_pass(units, loss_fn, plain=False)
+        forward_only = _run_pass(units, loss_fn, plain=False, device=where)
         passes = []
         for _ in range(max(1, repeats)):
             guard.reset()
-            passes.append(_run_pass(units, loss_fn, plain=True))
-        step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
+            passes.append(_run_pass(units, loss_fn, plain=True, device=where))
+        step_time = _time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)
@@ -313,7 +319,7 @@ def _assemble(
     names = [op[1] for op in main.ops]
     same = [p for p in passes if [op[1] for op in p.ops] == names]
     times = _shared_times(
-        main, [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+        main, [low_estimate(p.ops[i][5] for p in same) for i in range(len(names))]
     )
     provisional = [
         OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
