@@ -13,6 +13,7 @@ from gradckpt import integrations
 from gradckpt.apply.apply import apply
 from gradckpt.plan.budget import parse_budget
 from gradckpt.plan.chain import build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.solvers import Solver, _items, finish, none_plan, solve
@@ -121,7 +122,7 @@ def frontier(
         ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
     """
     prof = _profile(model, loss_fn, blocks, repeats, profile)
-    chain = build_chain(prof)
+    chain = with_engine_costs(build_chain(prof), prof)
     dp = ChainDP(chain.chain)
     least = dp.least_feasible()
     candidates = [none_plan(prof)]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.measure.memory import state_bytes
 from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
@@ -358,6 +359,7 @@ def _assemble(
         fingerprint=model_fingerprint(model),
         device=_device_of(model),
         input_shapes=shapes,
+        engine_costs=engine_costs(_device_of(model)),  # measured once per process
     )
 
 
