@@ -31,6 +31,7 @@ from torch import nn
 from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.measure.memory import state_bytes
 from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profile.calibration import settled_step_time, settled_times
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
@@ -322,6 +323,12 @@ def _assemble(
     times = _shared_times(
         main, [low_estimate(p.ops[i][5] for p in same) for i in range(len(names))]
     )
+    device = _device_of(model)
+    if step_time > 0:  # measured, not estimated: reuse this process's first measurements
+        times = settled_times([(device, *_signature(main, op)) for op in main.ops], times)
+        step_time = settled_step_time(
+            (device, model_fingerprint(model), tuple(names), main.watcher.peak_bytes), step_time
+        )
     provisional = [
         OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
         for op in main.ops
@@ -371,8 +378,7 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
     """
     groups: dict[tuple, list[int]] = {}
     for op in recorder.ops:
-        sizes = tuple(recorder.storages[s].nbytes for s in op[7])
-        groups.setdefault((op[1], op[2], op[6], sizes), []).append(op[0])
+        groups.setdefault(_signature(recorder, op), []).append(op[0])
     pooled = list(times)
     for members in groups.values():
         if len(members) > 1:
@@ -380,6 +386,11 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
             for i in members:
                 pooled[i] = median
     return pooled
+
+
+def _signature(recorder: StepRecorder, op: tuple) -> tuple:
+    """What makes two ops the same work: name, phase, FLOPs and output sizes."""
+    return (op[1], op[2], op[6], tuple(recorder.storages[s].nbytes for s in op[7]))
 
 
 def _device_of(model: nn.Module) -> str:
