@@ -113,6 +113,10 @@ class Plan:
     predicted_recompute_flops: int = 0
     solver: str = ""
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Median extra step time over the plain step, measured by ``fit`` (None: not measured).
+    measured_overhead: float | None = None
+    #: Least and greatest of that ratio over the measured rounds.
+    measured_overhead_range: tuple[float, float] | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -143,6 +147,8 @@ class Plan:
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields["items"] = tuple(_item_from_json(i) for i in data["items"])
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data["input_shapes"])
+        if fields.get("measured_overhead_range") is not None:
+            fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])
         return cls(**fields)
 
     def save(self, path: str | Path) -> None:
