@@ -122,16 +122,19 @@ def _check(warmup: int, repeats: int) -> None:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
 
 
-def _run_once(fn: Callable[[], Any], wait: Callable[[], None] | None) -> float:
+def _run_once(
+    fn: Callable[[], Any], wait: Callable[[], None] | None, clock: Callable[[], float] | None = None
+) -> float:
     # Queued device work must finish before either clock read, or it is billed
     # to the wrong run.
+    clock = clock or time.perf_counter
     if wait is not None:
         wait()
-    start = time.perf_counter()
+    start = clock()
     fn()
     if wait is not None:
         wait()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_fn(
@@ -164,12 +167,14 @@ def time_interleaved(
     warmup: int = 1,
     repeats: int = 5,
     sync: Sync = None,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, Timing]:
     """Time several contenders round-robin (A B C A B C ...) in this process.
 
     Running them in turns exposes all of them to the same machine state (clock
     boost, other load), so the ratio of their medians is stable even when the
-    absolute times drift. ``warmup`` unmeasured rounds come first.
+    absolute times drift. ``warmup`` unmeasured rounds come first. ``clock``:
+    wall time by default; :func:`work_clock` for CPU time on a loaded machine.
 
     Example:
         >>> t = time_interleaved({"plain": step_plain, "ckpt": step_ckpt}, repeats=7)
@@ -185,5 +190,5 @@ def time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(_run_once(fn, wait))
+            times[name].append(_run_once(fn, wait, clock))
     return {name: Timing.from_times(ts) for name, ts in times.items()}
