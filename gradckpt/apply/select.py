@@ -78,16 +78,20 @@ def candidate_plans(
 def pick_fastest(ratios: list[list[float]], margin: float = MARGIN) -> int:
     """Index of the candidate to keep, from each one's step ratios over plain per round.
 
-    The first candidate (the predicted fastest) stays unless another's median
-    ratio is lower by more than ``margin``.
+    The first candidate (the predicted fastest) stays unless another was faster
+    in every round and its median ratio is lower by more than ``margin``: noise
+    alone must not change the plan ``fit`` applies.
 
     Example:
         >>> pick_fastest([[1.30, 1.32, 1.31], [1.20, 1.21, 1.19]])
         1
     """
     medians = [statistics.median(r) for r in ratios]
-    best = min(range(len(medians)), key=medians.__getitem__)
-    return best if medians[best] < medians[0] - margin else 0
+    clear = [
+        i for i, r in enumerate(ratios)
+        if i == 0 or (all(a < b for a, b in zip(r, ratios[0])) and medians[i] < medians[0] - margin)
+    ]  # fmt: skip
+    return min(clear, key=medians.__getitem__)
 
 
 def fastest_measured(
