@@ -242,7 +242,8 @@ def test_recompute_with_the_cache_on_would_grow_it():
     ex = _example("gpt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], repeats=1)
+        # Every layer recomputed, whatever the planner would prefer on this machine's timings.
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0, repeats=1, solver="every_block")
     assert ex.model.config.use_cache is True  # plan() leaves the model as found
     gradckpt.apply(ex.model, plan)
     out = ex.model(**ex.inputs)
