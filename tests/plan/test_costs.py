@@ -15,7 +15,13 @@ from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.timing import low_estimate
 from gradckpt.plan import Plan, UnitChoice, simulate
 from gradckpt.plan.chain import build_chain
-from gradckpt.plan.costs import EngineCounts, engine_seconds, unit_counts, with_engine_costs
+from gradckpt.plan.costs import (
+    EngineCounts,
+    engine_seconds,
+    step_costs,
+    unit_counts,
+    with_engine_costs,
+)
 from gradckpt.profile import profile
 from gradckpt.testing import make
 
@@ -116,13 +122,16 @@ def test_engine_seconds_is_counts_times_costs():
 def test_dp_options_carry_the_engine_costs(zoo):
     _, prof, _ = zoo.get("gpt")
     costs = EngineCosts(region=1e-3, recompute_op=1e-4, policy_op=1e-4, saved_tensor=1e-4)
-    prof = dataclasses.replace(prof, engine_costs=costs)
+    # A third of the step outside the timed kernels: recomputed ops pay a share of it.
+    untimed = 1.5 * sum(op.time for op in prof.ops)
+    prof = dataclasses.replace(prof, engine_costs=costs, step_time=untimed)
+    assert step_costs(prof).recompute_op > costs.recompute_op
     plain, costed = build_chain(prof), with_engine_costs(build_chain(prof), prof)
     for unit, opts, before, after in zip(
         plain.units, plain.options, plain.chain.stages, costed.chain.stages
     ):
         for option, old, new in zip(opts, before.options, after.options):
-            extra = engine_seconds(unit_counts(prof, unit, option.mode), costs)
+            extra = engine_seconds(unit_counts(prof, unit, option.mode), step_costs(prof))
             assert new.time == pytest.approx(old.time + extra)
             assert (extra > 0) == (option.mode != "keep")
 
