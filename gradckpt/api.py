@@ -14,6 +14,7 @@ from gradckpt import integrations
 from gradckpt.apply.apply import apply
 from gradckpt.plan.budget import check_budget, parse_budget
 from gradckpt.plan.chain import build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.solvers import SOLVERS, Solver, _items, finish, none_plan, solve
@@ -141,15 +142,47 @@ def plan(
     return solve(prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments)
 
 
-def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options: object) -> Plan:
+def fit(
+    model: nn.Module,
+    loss_fn: LossFn,
+    budget: int | float | str,
+    *,
+    measure_candidates: int = 2,
+    **options: object,
+) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
+    ``measure_candidates``: how many plans that fit (the planner's, then the next
+    fastest predicted) to run for 3 real steps each, interleaved with the plain
+    step, keeping the fastest measured (:mod:`gradckpt.apply.select`). It costs
+    ``3 * (measure_candidates + 1)`` training steps: 9 by default, about what
+    profiling costs. The plan records ``measured_overhead`` next to
+    ``predicted_overhead``. 0 turns it off; fake profiles are never measured.
+
     Example:
-        >>> gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> plan = gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> plan.predicted_overhead, plan.measured_overhead
     """
+    from gradckpt.apply.select import fastest_measured
+
     _check_arguments(model, loss_fn, budget, **options)  # before the model is touched
+    if (
+        isinstance(measure_candidates, bool)
+        or not isinstance(measure_candidates, int)
+        or measure_candidates < 0
+    ):
+        raise ValueError(
+            f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
+            f"measurement off), got {measure_candidates!r}"
+        )
     with integrations.training(model):  # transformers: use_cache off for training, said once
-        chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
+        given = options.pop("profile", None)
+        prof = _profile(model, loss_fn, options.get("blocks"), options.get("repeats", 3), given)  # type: ignore[arg-type]
+        chosen = plan(model, loss_fn, budget, profile=prof, **options)  # type: ignore[arg-type]
+        if measure_candidates and not prof.fake:
+            segments = bool(options.get("segments", True))
+            count = measure_candidates if options.get("solver", "dp") == "dp" else 1
+            chosen = fastest_measured(model, loss_fn, prof, chosen, count, segments=segments)
         apply(model, chosen)
     return chosen
 
@@ -180,7 +213,7 @@ def frontier(
     """
     _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     prof = _profile(model, loss_fn, blocks, repeats, profile)
-    chain = build_chain(prof)
+    chain = with_engine_costs(build_chain(prof), prof)
     dp = ChainDP(chain.chain)
     least = dp.least_feasible()
     candidates = [none_plan(prof)]
