@@ -8,6 +8,7 @@ Example:
 """
 
 from gradckpt.measure.allocator import AllocatorTracker, MemoryEvents
+from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.flops import FlopCount, count_flops, count_ops
 from gradckpt.measure.memory import MemoryTracker, format_bytes, state_bytes
 from gradckpt.measure.storages import StorageWatcher, storage_key
@@ -15,6 +16,7 @@ from gradckpt.measure.timing import Timing, ratio, time_fn, time_interleaved
 
 __all__ = [
     "AllocatorTracker",
+    "EngineCosts",
     "FlopCount",
     "MemoryEvents",
     "MemoryTracker",

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradckpt.measure.allocator import allocator_block_bytes
+from gradckpt.plan.costs import engine_seconds, plan_counts, step_costs
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profile.records import NEVER, Profile
 
@@ -56,6 +57,8 @@ class Prediction:
     peak_workspace_bytes: int = 0
     #: Index of the op whose workspace is part of the peak (-1: none).
     peak_workspace_op: int = -1
+    #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
+    engine_time: float = 0.0
 
 
 @dataclass
@@ -186,6 +189,7 @@ class _Simulator:
         self.recompute_time = 0.0
         self.recompute_by_unit: dict[int, float] = {}
         self.recompute_flops = 0
+        self.recomputed: list[tuple[Region, int]] = []  # (region, stop): for engine costs
         # Forward op index whose position follows each natural free.
         positions = [op.position for op in profile.ops[: profile.forward_ops]]
         self.fwd_positions = positions
@@ -248,6 +252,7 @@ class _Simulator:
         p = self.p
         stop = max((p.packs[i].ops_done for i in region.packs), default=region.first_op)
         stop = min(stop, region.end_op)
+        self.recomputed.append((region, stop))
         child_of: dict[int, Region] = {}
         for child in region.children:
             for pid in child.packs:
@@ -306,7 +311,9 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     positions, lives = sim.line.trace()
     peak, where = max(zip(lives, positions), default=(0, (0,)), key=lambda e: e[0])
     workspace, op = sim.line.workspace_of.get(where, (0, -1))
-    step_time = profile.step_time + sim.recompute_time
+    # The engine's own costs (issue #16): measured per event, counted per plan.
+    engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
+    step_time = profile.step_time + sim.recompute_time + engine
     return Prediction(
         peak_bytes=profile.param_bytes + peak,
         step_time=step_time,
@@ -317,6 +324,7 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         peak_position=int(where[0]),
         peak_workspace_bytes=workspace,
         peak_workspace_op=op,
+        engine_time=engine,
     )
 
 

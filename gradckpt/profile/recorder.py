@@ -11,7 +11,6 @@ kept, which is what a checkpointed region does.
 from __future__ import annotations
 
 import bisect
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from torch.utils.flop_counter import flop_registry
 from gradckpt.engine.modes import counts_as_op, written_args
 from gradckpt.measure.allocator import close_mark, open_mark
 from gradckpt.measure.storages import StorageWatcher, storage_key
+from gradckpt.measure.timing import work_clock
 from gradckpt.profile.records import NEVER
 from gradckpt.profile.units import Unit
 
@@ -266,9 +266,12 @@ class RecordMode(TorchDispatchMode):
     outside the timed call.
     """
 
-    def __init__(self, recorder: StepRecorder, *, mark_ops: bool = False) -> None:
+    def __init__(
+        self, recorder: StepRecorder, device: str = "cpu", *, mark_ops: bool = False
+    ) -> None:
         super().__init__()
         self.recorder = recorder
+        self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
         self.mark_ops = mark_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -277,9 +280,9 @@ class RecordMode(TorchDispatchMode):
             return func(*args, **kwargs)
         handle = open_mark(len(self.recorder.ops)) if self.mark_ops else None
         try:
-            start = time.perf_counter()
+            start = self.clock()
             out = func(*args, **kwargs)
-            elapsed = time.perf_counter() - start
+            elapsed = self.clock() - start
         finally:
             if handle is not None:
                 close_mark(handle)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gradckpt._versioned import check_header
+from gradckpt.measure.engine_costs import EngineCosts
 
 __all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
 
@@ -148,6 +149,8 @@ class Profile:
     #: at the allocator) or "tensors" (fake profile, old file, or another profiler was
     #: running: workspace unknown, taken as zero).
     peak_level: str = "tensors"
+    #: What gradckpt's engine adds per region, recomputed op, policy op and saved tensor.
+    engine_costs: EngineCosts = field(default_factory=EngineCosts)
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -192,6 +195,7 @@ class Profile:
             input_shapes=tuple((n, tuple(s)) for n, s in data["input_shapes"]),
             tracker_peak_bytes=data["tracker_peak_bytes"],
             peak_level=data["peak_level"],
+            engine_costs=EngineCosts.from_json(data.get("engine_costs")),
             version=data["version"],
         )
 
