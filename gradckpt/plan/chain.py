@@ -273,9 +273,8 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
             held += inputs[i]
             _, peak_f = _window_levels(positions, lives, fwd_windows[i])
             enter_b, peak_b = _window_levels(positions, lives, bwd_windows[i])
-            if k or not any(index):  # "keep" is calibrated on the all-keep run alone
-                fwd_need[i][k] = peak_f - held
-                bwd_need[i][k] = peak_b - held
+            fwd_need[i][k] = peak_f - held
+            bwd_need[i][k] = peak_b - held
             if not any(index):
                 bstart_background[i] = enter_b - held - kept[i][0]
             held += kept[i][k]
