@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradckpt import integrations
-from gradckpt.apply.apply import apply
-from gradckpt.plan.budget import parse_budget
+from gradckpt import integrations, replan
+from gradckpt.apply import guard as shape_guard
+from gradckpt.apply.apply import install_guarded, install_plan
+from gradckpt.plan.budget import BudgetError, parse_budget
 from gradckpt.plan.chain import build_chain
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.plan import Plan
+from gradckpt.plan.planset import PlanSet, ShapeKey
+from gradckpt.plan.simulate import simulate
 from gradckpt.plan.solvers import Solver, _items, finish, none_plan, solve
+from gradckpt.profile.fake import fake_model
 from gradckpt.profile.records import Profile
 from gradckpt.profile.run import profile as profile_step
 from gradckpt.profile.units import BlockSpec
@@ -55,7 +59,10 @@ def plan(
     repeats: int = 3,
     profile: Profile | None = None,
     segments: bool = True,
-) -> Plan:
+    shapes: Sequence[Any] | None = None,
+    loss_from: replan.LossFrom | None = None,
+    seq_dim: int = 1,
+) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
     Args:
@@ -69,30 +76,180 @@ def plan(
         profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
         segments: allow regions that span several units (False for FSDP, whose
             units' parameters are sharded when a segment would recompute them).
+        shapes: also plan these shapes of the model call (sequence lengths, or example
+            inputs: dicts of keyword inputs, tuples of positional ones); each is
+            profiled under fake tensors, see :mod:`gradckpt.replan`.
+        loss_from: with ``shapes``, how a model call's output becomes the loss.
+        seq_dim: with integer ``shapes``, the inputs' sequence dimension.
 
     Returns:
-        A :class:`Plan` with its predicted peak and overhead.
+        A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
+        :class:`PlanSet` holding one plan per shape, under the same budget in bytes.
 
     Raises:
-        BudgetError: no plan fits; the message gives the least reachable peak.
+        BudgetError: no plan fits; the message gives the least reachable peak (and
+            which shape, with ``shapes``).
 
     Example:
         >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
         >>> print(p.summary())
     """
-    prof = _profile(model, loss_fn, blocks, repeats, profile)
-    return solve(prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments)
+    if shapes is None:
+        prof = _profile(model, loss_fn, blocks, repeats, profile)
+        return solve(
+            prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments
+        )
+    fitted, first = _plan_fitted(model, loss_fn, budget, blocks, solver, repeats, profile, segments)
+    plans = {fitted.key: first}
+    planner = _planner(model, first.budget_bytes, blocks, solver, segments, loss_from)
+    for call in replan.calls_for(fitted, shapes, seq_dim):
+        if call.key not in plans:
+            plans[call.key] = _plan_shape(planner, call)
+    return PlanSet(tuple(plans.items()))
 
 
-def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options: object) -> Plan:
+# ------------------------------------------------------------- shapes (#9)
+
+
+def _plan_fitted(
+    model: nn.Module,
+    loss_fn: LossFn,
+    budget: int | float | str,
+    blocks: BlockSpec,
+    solver: str | Solver,
+    repeats: int,
+    given: Profile | None,
+    segments: bool,
+) -> tuple[replan.Call, Plan]:
+    """The plan for ``loss_fn``'s step and the model call it makes (its shape key)."""
+    recording = replan.capture_call(model, loss_fn)
+    if given is None:
+        prof = profile(model, recording, blocks=blocks, repeats=repeats)
+    else:
+        prof = given
+        with torch.no_grad(), fake_model(model) as mode, mode:
+            recording()  # only to see the call's shapes; nothing is allocated
+    calls = recording.calls  # type: ignore[attr-defined]
+    if not calls:
+        raise ValueError(
+            "loss_fn did not call the model itself (model(...)), so gradckpt cannot see the "
+            "shape of its inputs to guard or plan other shapes; call the model in loss_fn"
+        )
+    budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
+    return calls[0], solve(prof, budget_bytes, solver, segments=segments)
+
+
+def _planner(
+    model: nn.Module,
+    budget_bytes: int | None,
+    blocks: BlockSpec,
+    solver: str | Solver,
+    segments: bool,
+    loss_from: replan.LossFrom | None,
+) -> Callable[[replan.Call], Plan]:
+    def plan_call(call: replan.Call) -> Plan:
+        prof = profile(model, replan.step_at(model, call, loss_from), blocks=blocks, fake=True)
+        assert budget_bytes is not None
+        return solve(prof, budget_bytes, solver, segments=segments)
+
+    return plan_call
+
+
+def _plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Plan:
+    try:
+        return planner(call)
+    except BudgetError as exc:
+        raise BudgetError(
+            f"at input shape {call.key.describe()}: {exc}", exc.least_peak_bytes
+        ) from exc
+
+
+def _guard(
+    model: nn.Module,
+    on_new_shape: str,
+    plans: dict[ShapeKey | None, Plan],
+    active: ShapeKey,
+    planner: Callable[[replan.Call], Plan],
+    loss_from: replan.LossFrom | None,
+    blocks: BlockSpec,
+    round_up: bool,
+) -> shape_guard.ShapeGuard:
+    def plan_new(args: tuple, kwargs: dict) -> Plan:
+        return planner(replan.Call(args, kwargs, replan.shape_key(args, kwargs)))
+
+    def predict(chosen: Plan, args: tuple, kwargs: dict) -> int:
+        call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
+        step = replan.step_at(model, call, loss_from)
+        return simulate(profile(model, step, blocks=blocks, fake=True), chosen).peak_bytes
+
+    return shape_guard.ShapeGuard(
+        on_new_shape,
+        plans,
+        active,
+        lambda p: install_plan(model, p),
+        planner=plan_new,
+        predictor=predict,
+        round_up=round_up,
+    )
+
+
+def fit(
+    model: nn.Module,
+    loss_fn: LossFn,
+    budget: int | float | str,
+    *,
+    on_new_shape: str = "replan",
+    shapes: Sequence[Any] | None = None,
+    loss_from: replan.LossFrom | None = None,
+    round_up: bool = False,
+    seq_dim: int = 1,
+    blocks: BlockSpec = None,
+    solver: str | Solver = "dp",
+    repeats: int = 3,
+    profile: Profile | None = None,
+    segments: bool = True,
+) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
+
+    The budget then holds when shapes change: every call of the model is checked
+    against the shape its plan was made for (:mod:`gradckpt.apply.guard`).
+
+    Args:
+        on_new_shape: what a call at a shape without a plan does. ``"replan"``
+            (default): plan it under fake tensors before it runs, under the same
+            budget in bytes (``BudgetError`` before running if nothing fits);
+            ``"warn"``: run the old plan, warning once with its predicted peak
+            there; ``"error"``: raise ``ShapeError``.
+        shapes: shapes to plan now (see :func:`plan`); calls at them switch plans.
+        loss_from: ``(output, *args, **kwargs) -> loss``: how a model call becomes
+            the training loss when planning a new shape (default: ``output.loss``
+            if the output has one, else the sum of its floating tensors).
+        round_up: a call whose shape is bounded in every dimension by a planned
+            shape runs under the smallest such plan instead of being planned.
+            Only for models whose peak is monotone in the input shape (tested for
+            GPT-2, Llama and the GPT of ``gradckpt.testing``).
+        seq_dim: the sequence dimension integer ``shapes`` resize.
+        blocks, solver, repeats, profile, segments: as for :func:`plan`.
 
     Example:
         >>> gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> print(gradckpt.shape_stats(model).summary())
     """
+    if on_new_shape not in shape_guard.POLICIES:
+        raise ValueError(
+            f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
+        )
     with integrations.training(model):  # transformers: use_cache off for training, said once
-        chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
-        apply(model, chosen)
+        fitted, chosen = _plan_fitted(
+            model, loss_fn, budget, blocks, solver, repeats, profile, segments
+        )
+        planner = _planner(model, chosen.budget_bytes, blocks, solver, segments, loss_from)
+        plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
+        for call in replan.calls_for(fitted, shapes or (), seq_dim):
+            if call.key not in plans:
+                plans[call.key] = _plan_shape(planner, call)
+        guard = _guard(model, on_new_shape, plans, fitted.key, planner, loss_from, blocks, round_up)
+        install_guarded(model, chosen, guard)
     return chosen
 
 

@@ -317,12 +317,15 @@ def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
         )
 
 
-def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
+def make_root_guard(
+    forward: Callable[..., Any], on_call: Callable[[tuple, dict], None] | None = None
+) -> Callable[..., Any]:
     """Wrap the model's own forward so no segment outlives the call that opened it.
 
     A segment's region stays open across several unit calls; if an exception
     escapes between two of them (outside every unit wrapper), its hooks would
     stay installed. The guard closes whatever segments the call left open.
+    ``on_call(args, kwargs)`` runs first on every call (the shape guard, #9).
     """
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -332,6 +335,8 @@ def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
         return run(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if on_call is not None:  # [shapes #9] may switch or re-plan before anything runs
+            on_call(args, kwargs)
         depth = _stack_depth()
         try:
             return forward(*args, **kwargs)
