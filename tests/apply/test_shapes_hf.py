@@ -15,7 +15,7 @@ from gradckpt.measure import MemoryTracker
 from gradckpt.plan.planset import proves_monotone
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example  # noqa: E402
+from gradckpt.integrations.hf_zoo import hf_example
 
 
 def _example(name, longest=512, batch=2):
