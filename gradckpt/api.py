@@ -101,7 +101,9 @@ def plan(
         )
     fitted, first = _plan_fitted(model, loss_fn, budget, blocks, solver, repeats, profile, segments)
     plans = {fitted.key: first}
-    planner = _planner(model, first.budget_bytes, blocks, solver, segments, loss_from)
+    planner = _planner(
+        model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim
+    )
     for call in replan.calls_for(fitted, shapes, seq_dim):
         if call.key not in plans:
             plans[call.key] = _plan_shape(planner, call)
@@ -141,18 +143,26 @@ def _plan_fitted(
 
 def _planner(
     model: nn.Module,
+    fitted: replan.Call,
     budget_bytes: int | None,
     blocks: BlockSpec,
     solver: str | Solver,
     segments: bool,
     loss_from: replan.LossFrom | None,
-) -> Callable[[replan.Call], Plan]:
-    def plan_call(call: replan.Call) -> Plan:
-        prof = profile(model, replan.step_at(model, call, loss_from), blocks=blocks, fake=True)
-        assert budget_bytes is not None
+    seq_dim: int,
+    rescale: bool = True,
+) -> replan.ShapePlanner:
+    assert budget_bytes is not None
+
+    def profile_fake(step: LossFn) -> Profile:
+        return profile(model, step, blocks=blocks, fake=True)
+
+    def solve_profile(prof: Profile) -> Plan:
         return solve(prof, budget_bytes, solver, segments=segments)
 
-    return plan_call
+    return replan.ShapePlanner(
+        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale
+    )
 
 
 def _plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Plan:
@@ -169,9 +179,7 @@ def _guard(
     on_new_shape: str,
     plans: dict[ShapeKey | None, Plan],
     active: ShapeKey,
-    planner: Callable[[replan.Call], Plan],
-    loss_from: replan.LossFrom | None,
-    blocks: BlockSpec,
+    planner: replan.ShapePlanner,
     round_up: bool,
 ) -> shape_guard.ShapeGuard:
     def plan_new(args: tuple, kwargs: dict) -> Plan:
@@ -179,8 +187,7 @@ def _guard(
 
     def predict(chosen: Plan, args: tuple, kwargs: dict) -> int:
         call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
-        step = replan.step_at(model, call, loss_from)
-        return simulate(profile(model, step, blocks=blocks, fake=True), chosen).peak_bytes
+        return simulate(planner.profile_call(call), chosen).peak_bytes
 
     return shape_guard.ShapeGuard(
         on_new_shape,
@@ -190,6 +197,7 @@ def _guard(
         planner=plan_new,
         predictor=predict,
         round_up=round_up,
+        rescaled=lambda: planner.rescaled,
     )
 
 
@@ -203,6 +211,7 @@ def fit(
     loss_from: replan.LossFrom | None = None,
     round_up: bool = False,
     seq_dim: int = 1,
+    rescale: bool = True,
     blocks: BlockSpec = None,
     solver: str | Solver = "dp",
     repeats: int = 3,
@@ -228,7 +237,12 @@ def fit(
             shape runs under the smallest such plan instead of being planned.
             Only for models whose peak is monotone in the input shape (tested for
             GPT-2, Llama and the GPT of ``gradckpt.testing``).
-        seq_dim: the sequence dimension integer ``shapes`` resize.
+        seq_dim: the sequence dimension: integer ``shapes`` resize it, and a call that
+            changes only it is planned by rescaling (below).
+        rescale: plan a call that changes only the sequence length from profiles at
+            four lengths rescaled exactly (:mod:`gradckpt.plan.rescale`; built at the
+            first such call, then each new length costs a solve, not a profile);
+            False profiles every new shape under fake tensors.
         blocks, solver, repeats, profile, segments: as for :func:`plan`.
 
     Example:
@@ -243,12 +257,15 @@ def fit(
         fitted, chosen = _plan_fitted(
             model, loss_fn, budget, blocks, solver, repeats, profile, segments
         )
-        planner = _planner(model, chosen.budget_bytes, blocks, solver, segments, loss_from)
+        planner = _planner(
+            model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
+            rescale,
+        )  # fmt: skip
         plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
         for call in replan.calls_for(fitted, shapes or (), seq_dim):
             if call.key not in plans:
                 plans[call.key] = _plan_shape(planner, call)
-        guard = _guard(model, on_new_shape, plans, fitted.key, planner, loss_from, blocks, round_up)
+        guard = _guard(model, on_new_shape, plans, fitted.key, planner, round_up)
         install_guarded(model, chosen, guard)
     return chosen
 

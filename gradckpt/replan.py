@@ -146,3 +146,106 @@ def _fitted_length(fitted: Call, seq_dim: int) -> int:
 def predicted_peak(profile_at: Callable[[Call], Any], plan: Any, call: Call) -> int:
     """``plan``'s simulated peak at ``call``'s shape."""
     return simulate(profile_at(call), plan).peak_bytes
+
+
+def length_of(fitted: ShapeKey, key: ShapeKey, seq_dim: int) -> tuple[int, int] | None:
+    """``(fitted length, new length)`` if ``key`` is ``fitted`` with only the sequence length changed.
+
+    The sequence length is dimension ``seq_dim`` of the first tensor input that has
+    one; every tensor whose size there is that length may change it (to the same
+    new length), and nothing else may change.
+    """
+    if len(fitted.args) != len(key.args) or [k for k, _ in fitted.kwargs] != [
+        k for k, _ in key.kwargs
+    ]:
+        return None
+    pairs = list(
+        zip(
+            [*fitted.args, *(s for _, s in fitted.kwargs)], [*key.args, *(s for _, s in key.kwargs)]
+        )
+    )
+    at = next(
+        (a.shape[seq_dim] for a, _ in pairs if a is not None and len(a.shape) > seq_dim), None
+    )
+    if at is None:
+        return None
+    new = None
+    for a, b in pairs:
+        if (a is None) != (b is None):
+            return None
+        if a is None or b is None:
+            continue
+        if (a.dtype, a.grad, len(a.shape)) != (b.dtype, b.grad, len(b.shape)):
+            return None
+        for d, (x, y) in enumerate(zip(a.shape, b.shape)):
+            if x == y:
+                continue
+            if d != seq_dim or x != at or (new is not None and y != new):
+                return None
+            new = y
+    return (at, new) if new is not None else None
+
+
+class ShapePlanner:
+    """Plans a model call at its shape: rescaled from profiles when exact, else fake-profiled.
+
+    A call that differs from the fitted one only in sequence length is planned
+    from a :class:`~gradckpt.plan.rescale.LengthScaling` built (once, at the first
+    such call) from fake profiles at four lengths; any other call, or a model the
+    scaling refuses, is profiled under fake tensors at its own shape.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        fitted: Call,
+        loss_from: LossFrom | None,
+        profile_fake: Callable[[Callable[[], torch.Tensor]], Any],
+        solve_profile: Callable[[Any], Any],
+        seq_dim: int = 1,
+        rescale: bool = True,
+    ) -> None:
+        self.model, self.fitted, self.loss_from = model, fitted, loss_from
+        self.profile_fake, self.solve_profile, self.seq_dim = profile_fake, solve_profile, seq_dim
+        self.rescale = rescale
+        self.scaling: Any = None
+        self.scaling_tried = False
+        self.rescaled = 0  # plans made from the scaling (no profile at their shape)
+
+    def profile_call(self, call: Call) -> Any:
+        return self.profile_fake(step_at(self.model, call, self.loss_from))
+
+    def __call__(self, call: Call) -> Any:
+        lengths = length_of(self.fitted.key, call.key, self.seq_dim) if self.rescale else None
+        if lengths is None:
+            return self.solve_profile(self.profile_call(call))
+        if self.scaling is not None:
+            prof = self.scaling.at(lengths[1])
+            if prof is not None:
+                self.rescaled += 1
+                return self.solve_profile(prof)
+        prof = self.profile_call(call)
+        if not self.scaling_tried:
+            self.scaling_tried = True
+            self.scaling = self._fit_scaling(lengths, prof)
+        return self.solve_profile(prof)
+
+    def _fit_scaling(self, lengths: tuple[int, int], at_new: Any) -> Any:
+        from gradckpt.plan.rescale import fit_length_scaling
+
+        fitted, new = lengths
+        low, high = sorted((fitted, new))
+        candidates = [fitted, (low + high) // 2, low // 2, (3 * low) // 4, low + (high - low) // 4]
+        others: list[int] = []
+        for n in candidates:
+            if n >= 1 and n != new and n not in others:
+                others.append(n)
+        profiles = {new: at_new}
+        try:
+            for n in others[:3]:
+                [call] = calls_for(self.fitted, [n], self.seq_dim)
+                profiles[n] = self.profile_call(call)
+        except Exception:
+            # A model that cannot run at one of these lengths: plan every shape by profiling it.
+            return None
+        return fit_length_scaling(profiles)

@@ -82,6 +82,7 @@ class ShapeStats:
     warnings: int
     policy: str
     active: str
+    rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
 
     @property
     def replan_seconds_total(self) -> float:
@@ -92,7 +93,8 @@ class ShapeStats:
         most = max(self.replan_seconds, default=0.0)
         return (
             f"gradckpt shapes: {self.plans} plan(s), {self.replans} planned during training "
-            f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s), {self.switches} "
+            f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s; {self.rescaled} by "
+            f"rescaling), {self.switches} "
             f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s); "
             f"policy {self.policy}; active shape {self.active}"
         )
@@ -109,6 +111,7 @@ class ShapeGuard:
     planner: Planner | None = None
     predictor: Predictor | None = None
     round_up: bool = False
+    rescaled: Callable[[], int] | None = None  # how many plans the planner made by rescaling
     calls: int = 0
     replans: list[float] = field(default_factory=list)
     switches: int = 0
@@ -138,6 +141,7 @@ class ShapeGuard:
             warnings=len(self.warned),
             policy=self.policy,
             active=self.active.describe() if self.active is not None else "(not recorded)",
+            rescaled=self.rescaled() if self.rescaled is not None else 0,
         )
 
     def on_call(self, args: tuple, kwargs: dict) -> None:

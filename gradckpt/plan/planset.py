@@ -34,6 +34,7 @@ __all__ = [
     "TensorSig",
     "load_plans",
     "proves_monotone",
+    "same_event_line",
     "shape_key",
 ]
 
@@ -270,6 +271,65 @@ def load_plans(path: str | Path) -> Plan | PlanSet:
     return Plan.from_json(data)
 
 
+def same_event_line(a: Profile, b: Profile) -> bool:
+    """True when two profiles differ at most in sizes: bytes, FLOPs, times, shapes.
+
+    Same ops in the same order (names, units, positions, outputs), same storages
+    made and freed at the same positions, same tensors saved, unpacked and
+    released at the same positions, same units.
+    """
+    if (a.forward_ops, a.end, a.param_bytes) != (b.forward_ops, b.end, b.param_bytes):
+        return False
+    if (len(a.ops), len(a.storages), len(a.packs), len(a.units)) != (
+        len(b.ops),
+        len(b.storages),
+        len(b.packs),
+        len(b.units),
+    ):
+        return False
+    for x, y in zip(a.ops, b.ops):
+        if (x.name, x.backward, x.unit, x.local, x.outputs, x.position) != (
+            y.name,
+            y.backward,
+            y.unit,
+            y.local,
+            y.outputs,
+            y.position,
+        ):
+            return False
+    for s, t in zip(a.storages, b.storages):
+        if (s.producer, s.alloc, s.free, s.natural_free, s.mutated) != (
+            t.producer,
+            t.alloc,
+            t.free,
+            t.natural_free,
+            t.mutated,
+        ):
+            return False
+    for p, q in zip(a.packs, b.packs):
+        if (p.storage, p.unit, p.ops_done, p.position, p.unpack, p.release) != (
+            q.storage,
+            q.unit,
+            q.ops_done,
+            q.position,
+            q.unpack,
+            q.release,
+        ):
+            return False
+    for u, v in zip(a.units, b.units):
+        if (u.path, u.first_op, u.end_op, u.chain_input, u.output, u.chained, u.calls) != (
+            v.path,
+            v.first_op,
+            v.end_op,
+            v.chain_input,
+            v.output,
+            v.chained,
+            v.calls,
+        ):
+            return False
+    return True
+
+
 def proves_monotone(small: Profile, large: Profile) -> bool:
     """True when any plan's peak on ``small`` is at most its peak on ``large``.
 
@@ -285,53 +345,6 @@ def proves_monotone(small: Profile, large: Profile) -> bool:
         >>> proves_monotone(gradckpt.profile(m, at_128, fake=True), gradckpt.profile(m, at_512, fake=True))
         True
     """
-    if (small.forward_ops, small.end, small.param_bytes) != (
-        large.forward_ops,
-        large.end,
-        large.param_bytes,
-    ):
-        return False
-    if len(small.ops) != len(large.ops) or len(small.storages) != len(large.storages):
-        return False
-    if len(small.packs) != len(large.packs) or len(small.units) != len(large.units):
-        return False
-    for a, b in zip(small.ops, large.ops):
-        if (a.name, a.backward, a.unit, a.local, a.outputs, a.position) != (
-            b.name,
-            b.backward,
-            b.unit,
-            b.local,
-            b.outputs,
-            b.position,
-        ):
-            return False
-    for s, t in zip(small.storages, large.storages):
-        if (s.producer, s.alloc, s.free, s.natural_free, s.mutated) != (
-            t.producer,
-            t.alloc,
-            t.free,
-            t.natural_free,
-            t.mutated,
-        ) or s.nbytes > t.nbytes:
-            return False
-    for p, q in zip(small.packs, large.packs):
-        if (p.storage, p.unit, p.ops_done, p.position, p.unpack, p.release) != (
-            q.storage,
-            q.unit,
-            q.ops_done,
-            q.position,
-            q.unpack,
-            q.release,
-        ):
-            return False
-    for u, v in zip(small.units, large.units):
-        if (u.path, u.first_op, u.end_op, u.chain_input, u.output, u.chained) != (
-            v.path,
-            v.first_op,
-            v.end_op,
-            v.chain_input,
-            v.output,
-            v.chained,
-        ):
-            return False
-    return True
+    return same_event_line(small, large) and all(
+        s.nbytes <= t.nbytes for s, t in zip(small.storages, large.storages)
+    )

@@ -74,6 +74,7 @@ def test_gpt2_fit_at_128_then_384_and_512_holds_the_budget_with_plain_gradients(
         assert all(torch.equal(grads[k], plain_grads[k]) for k in grads), length
     stats = gradckpt.shape_stats(model)
     assert stats.replans == 2 and stats.plans == 3 and stats.switches == 3
+    assert stats.rescaled == 1  # 384 was profiled (and the scaling built), 512 rescaled
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
