@@ -178,11 +178,11 @@ def install_plan(model: nn.Module, plan: Plan) -> nn.Module:
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             module.forward = make_wrapper(spec, specs)
-        on_call = shape_guard.hook_for(model)  # [shapes #9] the guard runs in the root wrapper
-        if on_call is not None or any(isinstance(item, Segment) for item in plan.items):
+        # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
+        if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
-            model.forward = make_root_guard(model.forward, on_call=on_call)
+            model.forward = make_root_guard(model.forward)
     except BaseException:
         _restore(installed)
         raise

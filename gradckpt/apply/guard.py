@@ -49,9 +49,10 @@ __all__ = [
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
+    "check",
     "forget",
     "guard_of",
-    "hook_for",
+    "guards",
     "install",
     "shape_stats",
 ]
@@ -234,7 +235,7 @@ _GUARDS: weakref.WeakKeyDictionary[nn.Module, ShapeGuard] = weakref.WeakKeyDicti
 
 
 def install(model: nn.Module, guard: ShapeGuard) -> None:
-    """Guard ``model``'s calls with ``guard`` (apply then hooks it into the root wrapper)."""
+    """Guard ``model``'s calls with ``guard`` (apply then installs the root wrapper, which checks)."""
     _GUARDS[model] = guard
 
 
@@ -247,19 +248,23 @@ def guard_of(model: nn.Module) -> ShapeGuard | None:
     return _GUARDS.get(model)
 
 
-def hook_for(model: nn.Module) -> Callable[[tuple, dict], None] | None:
-    """The callable the root wrapper runs before each call, or None if not guarded."""
-    if model not in _GUARDS:
-        return None
-    ref = weakref.ref(model)  # the wrapper lives on the model: no strong cycle through it
+def guards(model: nn.Module) -> bool:
+    """Whether ``model`` has a shape guard (apply then installs the root wrapper)."""
+    return model in _GUARDS
 
-    def on_call(args: tuple, kwargs: dict) -> None:
-        target = ref()
-        guard = _GUARDS.get(target) if target is not None else None
-        if guard is not None:
-            guard.on_call(args, kwargs)
 
-    return on_call
+def check(forward: Any, args: tuple, kwargs: dict) -> None:
+    """Run the shape guard of the model ``forward`` is bound to (the root wrapper's hook).
+
+    Looked up by the model at each call, so a copy of the model (its forward
+    bound to the copy) is never guarded, or re-planned, as the original.
+    """
+    if not _GUARDS:
+        return
+    model = getattr(forward, "__self__", None)
+    guard = _GUARDS.get(model) if isinstance(model, nn.Module) else None
+    if guard is not None:
+        guard.on_call(args, kwargs)
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

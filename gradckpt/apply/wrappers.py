@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradckpt.apply import guard as shape_guard
 from gradckpt.engine import dynamo
 from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
@@ -317,15 +318,13 @@ def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
         )
 
 
-def make_root_guard(
-    forward: Callable[..., Any], on_call: Callable[[tuple, dict], None] | None = None
-) -> Callable[..., Any]:
+def make_root_guard(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap the model's own forward so no segment outlives the call that opened it.
 
     A segment's region stays open across several unit calls; if an exception
     escapes between two of them (outside every unit wrapper), its hooks would
     stay installed. The guard closes whatever segments the call left open.
-    ``on_call(args, kwargs)`` runs first on every call (the shape guard, #9).
+    Every call is first checked by the model's shape guard, if it has one.
     """
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -335,8 +334,7 @@ def make_root_guard(
         return run(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if on_call is not None:  # [shapes #9] may switch or re-plan before anything runs
-            on_call(args, kwargs)
+        shape_guard.check(forward, args, kwargs)  # [shapes #9] may switch or re-plan first
         depth = _stack_depth()
         try:
             return forward(*args, **kwargs)
