@@ -235,12 +235,19 @@ def render(data: dict[str, Any]) -> str:
             f"{over['one-plan']:+.1%}", f"{over['padded']:+.1%}",
             f"{r['replans']} in {r['replan_s_total']:.2f} s", r["switches"],
         ])  # fmt: skip
-        worst = max((x["replan_s"] / x["plain_step_s"] for x in r["replan_vs_step"]), default=0.0)
+        ratios = [x["replan_s"] / x["plain_step_s"] for x in r["replan_vs_step"]]
+        # The first re-plan of a new length also builds the length scaling (four fake
+        # profiles); later lengths are rescaled and solved.
+        first = ratios[0] if ratios else 0.0
+        later = sorted(ratios[1:])
+        worst = later[-1] if later else 0.0
+        median = later[len(later) // 2] if later else 0.0
         targets += [
             [r["model"], "every step within the budget", f"{r['violations']} violations", verdict(r["violations"] == 0)],
             [r["model"], "gradients equal to plain at every step", f"{r['grads_equal_steps']} of {n} bitwise equal", verdict(r["grads_equal_steps"] == n)],
             [r["model"], "predicted peak = measured", f"{r['predicted_equals_measured']} of {n} steps", verdict(r["predicted_equals_measured"] == n)],
-            [r["model"], "re-plan well under a training step", f"worst re-plan / plain step at that length: {worst:.2f}", verdict(worst < 0.5)],
+            [r["model"], "first re-plan under a training step", f"{first:.2f} plain steps at that length (builds the length scaling: four fake profiles)", verdict(first < 0.5)],
+            [r["model"], "later re-plans well under a training step", f"re-plan / plain step at that length: median {median:.2f}, worst {worst:.2f}", verdict(worst < 0.5)],
             [r["model"], "cheaper than padding to the longest", f"{with_replan:+.1%} with re-plans ({over['gradckpt']:+.1%} without) vs {over['padded']:+.1%} (time over plain)", verdict(with_replan < over["padded"])],
         ]  # fmt: skip
     lines += [
