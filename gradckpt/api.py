@@ -129,7 +129,8 @@ def _plan_fitted(
         prof = profile(model, recording, blocks=blocks, repeats=repeats)
     else:
         prof = given
-        with torch.no_grad(), fake_model(model) as mode, mode:
+        preparing = integrations.preparing(model, fake=True)
+        with preparing, torch.no_grad(), fake_model(model) as mode, mode:
             recording()  # only to see the call's shapes; nothing is allocated
     calls = recording.calls  # type: ignore[attr-defined]
     if not calls:
