@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.plan import Plan
-from gradckpt.plan.planset import PlanSet, ShapeKey, shape_key
+from gradckpt.plan.planset import ShapeKey, shape_key
 
 __all__ = [
     "POLICIES",
@@ -158,7 +158,7 @@ class ShapeGuard:
             self._switch(key, known)
             return
         if self.round_up:
-            bound = PlanSet(tuple(self.plans.items())).bounding(key)
+            bound = _bounding(self.plans, key)
             if bound is not None:
                 if bound[0] != self.active:
                     self._switch(bound[0], bound[1])
@@ -229,6 +229,12 @@ class ShapeGuard:
             self.replans.append(time.perf_counter() - start)
         self.plans[key] = plan
         self._switch(key, plan)
+
+
+def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
+    """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
+    found = [(k, p) for k, p in plans.items() if k is not None and key.bounded_by(k)]
+    return min(found, key=lambda kp: kp[0].numel()) if found else None
 
 
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, ShapeGuard] = weakref.WeakKeyDictionary()

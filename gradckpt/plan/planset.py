@@ -207,7 +207,7 @@ class PlanSet:
     def bounding(self, key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
         """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
         found = [(k, p) for k, p in self.entries if k is not None and key.bounded_by(k)]
-        return min(found, key=lambda kp: kp[0].numel()) if found else None
+        return min(found, key=lambda kp: kp[0].numel()) if found else None  # fewest elements
 
     def summary(self) -> str:
         """One line per shape: predicted peak against the budget."""
