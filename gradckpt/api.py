@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +13,13 @@ from torch import nn
 from gradckpt import integrations, replan
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_guarded, install_plan
-from gradckpt.plan.budget import BudgetError, parse_budget
+from gradckpt.plan.budget import BudgetError, check_budget, parse_budget
 from gradckpt.plan.chain import build_chain
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.planset import PlanSet, ShapeKey
 from gradckpt.plan.simulate import simulate
-from gradckpt.plan.solvers import Solver, _items, finish, none_plan, solve
+from gradckpt.plan.solvers import SOLVERS, Solver, _items, finish, none_plan, solve
 from gradckpt.profile.fake import fake_model
 from gradckpt.profile.records import Profile
 from gradckpt.profile.run import profile as profile_step
@@ -29,6 +30,55 @@ __all__ = ["FrontierPoint", "fit", "frontier", "plan", "profile"]
 LossFn = Callable[[], torch.Tensor]
 
 
+_UNSET: Any = object()
+
+
+def _check_arguments(
+    model: object,
+    loss_fn: object,
+    budget: object = _UNSET,
+    *,
+    blocks: object = None,
+    solver: object = "dp",
+    repeats: object = 3,
+    profile: object = None,
+    segments: object = True,
+) -> None:
+    """Refuse bad arguments in the user's terms, before anything is profiled."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be a zero-argument callable that runs one forward and returns the "
+            f"loss (e.g. lambda: model(**batch).loss), got {type(loss_fn).__name__}"
+        )
+    if budget is not _UNSET:
+        check_budget(budget)
+    if blocks is not None and not callable(blocks):
+        listed = isinstance(blocks, Collection) and not isinstance(blocks, str)
+        if not listed or not all(isinstance(p, str) for p in blocks):
+            raise TypeError(
+                "blocks= takes a list of module paths (e.g. ['layers.0', 'layers.1'], from "
+                f"model.named_modules()) or a predicate (path, module) -> bool; got {blocks!r}"
+            )
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral):
+        raise TypeError(f"repeats= is a whole number of profiled steps (e.g. 3), got {repeats!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats= must be at least 1 (profiled steps), got {repeats}")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(
+            "profile= takes a Profile made by gradckpt.profile(model, loss_fn), got "
+            f"{type(profile).__name__}"
+        )
+    if isinstance(solver, str):
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    elif not callable(solver):
+        raise TypeError(f"solver= is a name from {sorted(SOLVERS)} or a callable, got {solver!r}")
+    if not isinstance(segments, bool):
+        raise TypeError(f"segments= is True or False, got {segments!r}")
+
+
 def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
     """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profile.profile`.
 
@@ -37,6 +87,9 @@ def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
     Example:
         >>> prof = gradckpt.profile(model, loss_fn, fake=True)
     """
+    _check_arguments(
+        model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
+    )
     with integrations.preparing(model, fake=bool(options.get("fake"))):
         return profile_step(model, loss_fn, **options)
 
@@ -68,6 +121,8 @@ def plan(
     Args:
         model: the model to plan for.
         loss_fn: zero-argument callable: one forward on a representative batch, returns the loss.
+            Called ``1 + 2 * repeats`` times while profiling (see :func:`gradckpt.profile`);
+            everything it touches is left as found.
         budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
             (0, 1] meaning that fraction of the uncheckpointed peak.
         blocks: the repeated blocks (paths or predicate); found automatically if None.
@@ -94,6 +149,8 @@ def plan(
         >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
         >>> print(p.summary())
     """
+    _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
+                     profile=profile, segments=segments)  # fmt: skip
     if shapes is None:
         prof = _profile(model, loss_fn, blocks, repeats, profile)
         return solve(
@@ -250,6 +307,16 @@ def fit(
         >>> gradckpt.fit(model, loss_fn, budget=0.5)
         >>> print(gradckpt.shape_stats(model).summary())
     """
+    _check_arguments(
+        model,
+        loss_fn,
+        budget,
+        blocks=blocks,
+        solver=solver,
+        repeats=repeats,
+        profile=profile,
+        segments=segments,
+    )  # before the model is touched; fmt: skip
     if on_new_shape not in shape_guard.POLICIES:
         raise ValueError(
             f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
@@ -295,6 +362,7 @@ def frontier(
         >>> for point in gradckpt.frontier(model, loss_fn):
         ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
     """
+    _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     prof = _profile(model, loss_fn, blocks, repeats, profile)
     chain = build_chain(prof)
     dp = ChainDP(chain.chain)

@@ -7,10 +7,16 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
   what autograd saves and releases, per-op times (median over the passes) and
-  the measured peak.
+  the measured peak;
+
+and then ``repeats`` unrecorded steps that time the plain step. So ``loss_fn`` runs
+``1 + 2 * repeats`` times (7 with the default ``repeats=3``; 2 under ``fake``):
+take the batch outside it, not from an iterator inside it.
 
 Before each pass the RNG, buffers and gradients are reset to what they were on
-entry, and they are restored exactly at the end.
+entry, and they are restored exactly at the end (:mod:`gradckpt.profile.state`):
+also the gradients of leaves outside the model the step reaches, and the
+buffers of modules outside the model it calls.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
+from gradckpt.profile.state import StepState
 from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
 
 __all__ = ["ProfileError", "profile"]
@@ -37,36 +44,6 @@ __all__ = ["ProfileError", "profile"]
 
 class ProfileError(RuntimeError):
     """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
-
-
-class _StateGuard:
-    """Snapshot of gradients, buffers and RNG; reset before each pass, restored at the end."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = list(model.parameters())
-        self.grads = [p.grad for p in self.params]
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
-    def reset(self) -> None:
-        for p in self.params:
-            p.grad = None
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def restore(self) -> None:
-        self.reset()
-        for p, g in zip(self.params, self.grads):
-            p.grad = g
 
 
 @contextlib.contextmanager
@@ -104,20 +81,35 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
                 del module.forward
 
 
+_BACKWARD_INSIDE = (
+    "loss_fn ran backward() itself; gradckpt runs loss_fn().backward() while profiling, so "
+    "loss_fn must only run the forward and return the loss: move .backward() (and any "
+    "optimizer step) out of it"
+)
+
+
 def _run_pass(
-    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool
+    units: list[Unit], loss_fn: Callable[[], torch.Tensor], state: StepState, *, plain: bool
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
     with _unit_markers(units, recorder), hooks, RecordMode(recorder):
         recorder.active = True
-        loss = loss_fn()
+        try:
+            loss = loss_fn()
+        except RuntimeError as e:
+            if "forward-only profiling pass cannot run backward" in str(e):
+                raise ProfileError(_BACKWARD_INSIDE) from e
+            raise
+        if any(p.grad is not None for p in state.params):  # they were cleared before the pass
+            raise ProfileError(_BACKWARD_INSIDE)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ProfileError(
                 "loss_fn must run one forward and return a scalar loss tensor that requires "
                 f"grad; it returned {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
         recorder.forward = False
         if plain:
             loss.backward()
@@ -127,9 +119,7 @@ def _run_pass(
     return recorder
 
 
-def _time_plain_step(
-    loss_fn: Callable[[], torch.Tensor], guard: _StateGuard, repeats: int
-) -> float:
+def _time_plain_step(loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         guard.reset()
@@ -210,9 +200,17 @@ def profile(
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
+    ``loss_fn`` is called ``1 + 2 * repeats`` times (one forward-only pass,
+    ``repeats`` recorded steps, ``repeats`` timed steps; twice with ``fake``).
+    Everything the step touches is left as found: the model's weights, gradients
+    and buffers, the gradients of any other leaf tensor the loss reaches (a loss
+    head, a learnable prompt, an input that requires grad), the buffers of any
+    other module it calls, and torch's RNG.
+
     Args:
         model: the model (left exactly as found: weights, grads, buffers, RNG).
-        loss_fn: zero-argument callable running one forward, returning the scalar loss.
+        loss_fn: zero-argument callable running one forward, returning the scalar loss;
+            take its batch outside it (it runs several times).
         blocks: module paths or a predicate ``(path, module) -> bool`` naming the
             repeated blocks; discovered automatically when None.
         repeats: plain passes to take per-op median times from.
@@ -231,24 +229,25 @@ def profile(
     if not callable(loss_fn):
         raise TypeError("loss_fn must be a zero-argument callable returning the loss")
     units = find_units(model, find_blocks(model, blocks))
-    guard = _StateGuard(model)
+    guard = StepState(model)
     try:
         if fake:
             where = torch.device(device) if device is not None else _fake_device(model)
             _check_fake_device(where)
             with fake_model(model, where) as mode, mode:
                 guard.reset()
-                forward_only = _run_pass(units, loss_fn, plain=False)
+                forward_only = _run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
-                passes = [_run_pass(units, loss_fn, plain=True)]
+                passes = [_run_pass(units, loss_fn, guard, plain=True)]
             return _estimated(_assemble(model, units, forward_only, passes, 0.0), where)
-        guard.reset()
-        forward_only = _run_pass(units, loss_fn, plain=False)
-        passes = []
-        for _ in range(max(1, repeats)):
+        with guard.watching_modules():  # buffers of modules outside the model, too
             guard.reset()
-            passes.append(_run_pass(units, loss_fn, plain=True))
-        step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
+            forward_only = _run_pass(units, loss_fn, guard, plain=False)
+            passes = []
+            for _ in range(max(1, repeats)):
+                guard.reset()
+                passes.append(_run_pass(units, loss_fn, guard, plain=True))
+            step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)

@@ -219,7 +219,8 @@ def test_fit_turns_the_cache_off_with_one_message(hf_log):
         out.loss.backward()
     said = _gradckpt_warnings(caught)
     assert len(said) == 1 and "use_cache=False" in said[0], said
-    assert ex.model.config.use_cache is False
+    # The config keeps the user's value (save_pretrained writes it); training calls get False.
+    assert ex.model.config.use_cache is True
     assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None
     assert _checkpoint_warnings(hf_log) == []
     gradckpt.remove(ex.model)
@@ -279,7 +280,6 @@ def test_t5_decoder_reads_its_own_config_copy():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["t5"], repeats=1)
-    assert ex.model.decoder.config.use_cache is False
     assert ex.model(**ex.inputs).cache is None
     gradckpt.remove(ex.model)
 
