@@ -27,11 +27,12 @@ The guard only decides; planning and predicting are given to it as callables
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ __all__ = [
     "guard_of",
     "guards",
     "install",
+    "paused",
     "shape_stats",
 ]
 
@@ -187,12 +189,13 @@ class ShapeGuard:
     def _busy_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # Planning is not part of the caller's step: dispatch modes around the
         # call (a MemoryTracker, a FLOP counter) must not see the fake profile.
+        before = getattr(self._busy, "on", False)
         self._busy.on = True
         try:
             with _disable_current_modes():
                 return fn(*args)
         finally:
-            self._busy.on = False
+            self._busy.on = before
 
     def _warn(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
         if key in self.warned:
@@ -252,6 +255,25 @@ def forget(model: nn.Module) -> None:
 
 def guard_of(model: nn.Module) -> ShapeGuard | None:
     return _GUARDS.get(model)
+
+
+@contextlib.contextmanager
+def paused(model: nn.Module) -> Iterator[None]:
+    """No shape checks of ``model``'s calls while inside (gradckpt profiling it).
+
+    A profile runs the model's step itself; a switch or re-plan then would swap
+    the wrappers the profiler installed in the middle of its pass.
+    """
+    guard = _GUARDS.get(model)
+    if guard is None:
+        yield
+        return
+    before = getattr(guard._busy, "on", False)
+    guard._busy.on = True
+    try:
+        yield
+    finally:
+        guard._busy.on = before
 
 
 def guards(model: nn.Module) -> bool:

@@ -148,11 +148,18 @@ def _sig(x: Any) -> Sig:
 def shape_key(args: tuple, kwargs: dict[str, Any]) -> ShapeKey:
     """The :class:`ShapeKey` of a call ``model(*args, **kwargs)``; microseconds per call.
 
+    Positional arguments count by position (a non-tensor one as "-"); keyword
+    arguments only when they hold tensors.
+
     Example:
         >>> shape_key((torch.zeros(4, 3),), {}).describe()
         '(4,3):float32'
     """
-    return ShapeKey(tuple(_sig(a) for a in args), tuple((k, _sig(v)) for k, v in kwargs.items()))
+    # Keyword arguments count by tensor only, sorted by name: flags such as
+    # use_cache=False that a pre-hook adds to some calls and not others (or the
+    # order a caller writes them in) do not make a new shape.
+    named = sorted((k, _sig(v)) for k, v in kwargs.items())
+    return ShapeKey(tuple(_sig(a) for a in args), tuple((k, s) for k, s in named if s is not None))
 
 
 @dataclass(frozen=True)

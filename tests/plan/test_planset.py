@@ -32,7 +32,11 @@ def test_shape_key_sees_shapes_dtypes_grad_and_names():
     leaf = torch.zeros(2, 8, requires_grad=True)
     assert shape_key((x,), {}) != shape_key((leaf,), {})
     assert _key(2, 8) != _key(2, 8, name="labels")
-    assert shape_key((leaf, None), {"flag": True}).describe() == "(2,8):float32 grad, -, flag=-"
+    assert shape_key((leaf, None), {"flag": True}).describe() == "(2,8):float32 grad, -"
+    # flags a pre-hook adds to some calls (use_cache=False), and keyword order, change nothing
+    assert shape_key((x,), {"use_cache": False}) == shape_key((x,), {})
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert shape_key((), {"a": ids, "b": x}) == shape_key((), {"b": x, "a": ids})
 
 
 def test_bounded_by_requires_same_structure_and_no_larger_dimension():
