@@ -15,6 +15,7 @@ from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_guarded, install_plan
 from gradckpt.plan.budget import BudgetError, check_budget, parse_budget
 from gradckpt.plan.chain import build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.planset import PlanSet, ShapeKey
@@ -157,7 +158,9 @@ def plan(
         return solve(
             prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments
         )
-    fitted, first = _plan_fitted(model, loss_fn, budget, blocks, solver, repeats, profile, segments)
+    fitted, first, _ = _plan_fitted(
+        model, loss_fn, budget, blocks, solver, repeats, profile, segments
+    )
     plans = {fitted.key: first}
     planner = _planner(
         model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim
@@ -180,8 +183,8 @@ def _plan_fitted(
     repeats: int,
     given: Profile | None,
     segments: bool,
-) -> tuple[replan.Call, Plan]:
-    """The plan for ``loss_fn``'s step and the model call it makes (its shape key)."""
+) -> tuple[replan.Call, Plan, Profile]:
+    """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile."""
     recording = replan.capture_call(model, loss_fn)
     if given is None:
         prof = profile(model, recording, blocks=blocks, repeats=repeats)
@@ -197,7 +200,7 @@ def _plan_fitted(
             "shape of its inputs to guard or plan other shapes; call the model in loss_fn"
         )
     budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
-    return calls[0], solve(prof, budget_bytes, solver, segments=segments)
+    return calls[0], solve(prof, budget_bytes, solver, segments=segments), prof
 
 
 def _planner(
@@ -271,6 +274,7 @@ def fit(
     round_up: bool = False,
     seq_dim: int = 1,
     rescale: bool = True,
+    measure_candidates: int = 2,
     blocks: BlockSpec = None,
     solver: str | Solver = "dp",
     repeats: int = 3,
@@ -302,12 +306,22 @@ def fit(
             four lengths rescaled exactly (:mod:`gradckpt.plan.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
+        measure_candidates: how many plans that fit (the planner's, then the next
+            fastest predicted) to run for 3 real steps each, interleaved with the
+            plain step, keeping the fastest measured (:mod:`gradckpt.apply.select`).
+            It costs ``3 * (measure_candidates + 1)`` training steps: 9 by default,
+            about what profiling costs. The plan records ``measured_overhead`` next
+            to ``predicted_overhead``. 0 turns it off; fake profiles are never
+            measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments: as for :func:`plan`.
 
     Example:
-        >>> gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> plan = gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> plan.predicted_overhead, plan.measured_overhead
         >>> print(gradckpt.shape_stats(model).summary())
     """
+    from gradckpt.apply.select import fastest_measured
+
     _check_arguments(
         model,
         loss_fn,
@@ -322,10 +336,23 @@ def fit(
         raise ValueError(
             f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
         )
+    if (
+        isinstance(measure_candidates, bool)
+        or not isinstance(measure_candidates, int)
+        or measure_candidates < 0
+    ):
+        raise ValueError(
+            f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
+            f"measurement off), got {measure_candidates!r}"
+        )
     with integrations.training(model):  # transformers: use_cache off for training, said once
-        fitted, chosen = _plan_fitted(
+        fitted, chosen, prof = _plan_fitted(
             model, loss_fn, budget, blocks, solver, repeats, profile, segments
         )
+        if measure_candidates and not prof.fake:
+            count = measure_candidates if solver == "dp" else 1
+            with shape_guard.paused(model):  # candidates are applied and run by hand
+                chosen = fastest_measured(model, loss_fn, prof, chosen, count, segments=segments)
         planner = _planner(
             model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
             rescale,
@@ -365,7 +392,7 @@ def frontier(
     """
     _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     prof = _profile(model, loss_fn, blocks, repeats, profile)
-    chain = build_chain(prof)
+    chain = with_engine_costs(build_chain(prof), prof)
     dp = ChainDP(chain.chain)
     least = dp.least_feasible()
     candidates = [none_plan(prof)]

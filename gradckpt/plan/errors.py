@@ -21,8 +21,9 @@ _NUMBERS = {
     "baseline_step_time": "a number",
     "predicted_recompute_flops": "an int",
 }
+_OPTIONAL_NUMBERS = ("measured_overhead",)  # null when fit did not measure
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
-          *_NUMBERS}  # fmt: skip
+          "measured_overhead_range", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
 
 
 class PlanFormatError(ValueError):
@@ -84,6 +85,16 @@ def check_plan_fields(data: Any, source: str | None = None) -> None:
         ok = _is_int(value) if "int" in kind else isinstance(value, numbers.Real)
         if not ok or isinstance(value, bool):
             raise _fail(source, key, f"must be {kind}, got {value!r}")
+    for key in _OPTIONAL_NUMBERS:
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise _fail(source, key, f"must be a number or null, got {value!r}")
+    spread = data.get("measured_overhead_range")
+    if spread is not None and not (
+        isinstance(spread, (list, tuple)) and len(spread) == 2
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in spread)
+    ):  # fmt: skip
+        raise _fail(source, "measured_overhead_range", f"must be [low, high] or null, got {spread!r}")
     if not isinstance(data.get("solver", ""), str):
         raise _fail(source, "solver", "must be a string")
     for key, second in (("input_shapes", "a shape (list of ints)"), ("not_planned", "an int")):

@@ -125,6 +125,10 @@ class Plan:
     # Units called more than once per step (shared weights), with their call
     # counts: never checkpointed, always kept whole; said in the summary.
     not_planned: tuple[tuple[str, int], ...] = ()
+    #: Median extra step time over the plain step, measured by ``fit`` (None: not measured).
+    measured_overhead: float | None = None
+    #: Least and greatest of that ratio over the measured rounds.
+    measured_overhead_range: tuple[float, float] | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -168,6 +172,8 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        if fields.get("measured_overhead_range") is not None:
+            fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])
         return cls(**fields)
 
     def save(self, path: str | Path) -> None:

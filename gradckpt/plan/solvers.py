@@ -17,6 +17,7 @@ from dataclasses import replace
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP, Tree
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
@@ -170,7 +171,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     Example:
         >>> plan = solve_dp(prof, 600 << 20)
     """
-    model = model or build_chain(profile)
+    model = model or with_engine_costs(build_chain(profile), profile)
     if not segments:
         model = without_segments(model)
         dp = None

@@ -6,12 +6,16 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   when each storage would die if autograd kept nothing (inside a checkpointed
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
-  what autograd saves and releases, per-op times (median over the passes) and
-  the measured peak;
+  what autograd saves and releases, per-op times and the measured peak;
 
 and then ``repeats`` unrecorded steps that time the plain step. So ``loss_fn`` runs
 ``1 + 2 * repeats`` times (7 with the default ``repeats=3``; 2 under ``fake``):
 take the batch outside it, not from an iterator inside it.
+
+Times are taken on :func:`gradckpt.measure.timing.work_clock` (thread CPU time
+on the CPU) and summarized by their least value over the passes
+(:func:`~gradckpt.measure.timing.low_estimate`): load on a shared machine and a
+cold first pass only add time, and plans must not change with them.
 
 Before each pass the RNG, buffers and gradients are reset to what they were on
 entry, and they are restored exactly at the end (:mod:`gradckpt.profile.state`):
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -31,7 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.measure.memory import state_bytes
+from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profile.calibration import settled_step_time, settled_times
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
@@ -89,11 +95,16 @@ _BACKWARD_INSIDE = (
 
 
 def _run_pass(
-    units: list[Unit], loss_fn: Callable[[], torch.Tensor], state: StepState, *, plain: bool
+    units: list[Unit],
+    loss_fn: Callable[[], torch.Tensor],
+    state: StepState,
+    *,
+    plain: bool,
+    device: str = "cpu",
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-    with _unit_markers(units, recorder), hooks, RecordMode(recorder):
+    with _unit_markers(units, recorder), hooks, RecordMode(recorder, device):
         recorder.active = True
         try:
             loss = loss_fn()
@@ -119,16 +130,19 @@ def _run_pass(
     return recorder
 
 
-def _time_plain_step(loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int) -> float:
+def _time_plain_step(
+    loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int, device: str = "cpu"
+) -> float:
+    clock = work_clock(device)  # the clock the op times are on: overheads are their ratio
     times = []
     for _ in range(repeats):
         guard.reset()
-        start = time.perf_counter()
+        start = clock()
         loss_fn().backward()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return low_estimate(times)
 
 
 def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]:
@@ -240,14 +254,15 @@ def profile(
                 guard.reset()
                 passes = [_run_pass(units, loss_fn, guard, plain=True)]
             return _estimated(_assemble(model, units, forward_only, passes, 0.0), where)
+        where = _device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
             guard.reset()
-            forward_only = _run_pass(units, loss_fn, guard, plain=False)
+            forward_only = _run_pass(units, loss_fn, guard, plain=False, device=where)
             passes = []
             for _ in range(max(1, repeats)):
                 guard.reset()
-                passes.append(_run_pass(units, loss_fn, guard, plain=True))
-            step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
+                passes.append(_run_pass(units, loss_fn, guard, plain=True, device=where))
+            step_time = _time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)
@@ -312,8 +327,14 @@ def _assemble(
     names = [op[1] for op in main.ops]
     same = [p for p in passes if [op[1] for op in p.ops] == names]
     times = _shared_times(
-        main, [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+        main, [low_estimate(p.ops[i][5] for p in same) for i in range(len(names))]
     )
+    device = _device_of(model)
+    if step_time > 0:  # measured, not estimated: reuse this process's first measurements
+        times = settled_times([(device, *_signature(main, op)) for op in main.ops], times)
+        step_time = settled_step_time(
+            (device, model_fingerprint(model), tuple(names), main.watcher.peak_bytes), step_time
+        )
     provisional = [
         OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
         for op in main.ops
@@ -351,6 +372,7 @@ def _assemble(
         fingerprint=model_fingerprint(model),
         device=_device_of(model),
         input_shapes=shapes,
+        engine_costs=engine_costs(_device_of(model)),  # measured once per process
     )
 
 
@@ -362,8 +384,7 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
     """
     groups: dict[tuple, list[int]] = {}
     for op in recorder.ops:
-        sizes = tuple(recorder.storages[s].nbytes for s in op[7])
-        groups.setdefault((op[1], op[2], op[6], sizes), []).append(op[0])
+        groups.setdefault(_signature(recorder, op), []).append(op[0])
     pooled = list(times)
     for members in groups.values():
         if len(members) > 1:
@@ -371,6 +392,11 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
             for i in members:
                 pooled[i] = median
     return pooled
+
+
+def _signature(recorder: StepRecorder, op: tuple) -> tuple:
+    """What makes two ops the same work: name, phase, FLOPs and output sizes."""
+    return (op[1], op[2], op[6], tuple(recorder.storages[s].nbytes for s in op[7]))
 
 
 def _device_of(model: nn.Module) -> str:

@@ -168,7 +168,11 @@ def test_fit_matches_the_plain_run_within_budget(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the use_cache message is tested below
         plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS[name], repeats=1)
-    assert any(u.mode != "keep" for u in plan.units if u.path in ex.block_paths), plan.summary()
+    # A block is checkpointed in its own region or inside a segment (fit may keep
+    # a measured-faster candidate that uses one).
+    in_segments = {p for i in plan.items if isinstance(i, Segment) for p in i.paths}
+    checkpointed = {u.path for u in plan.units if u.mode != "keep"} | in_segments
+    assert checkpointed & set(ex.block_paths), plan.summary()
     planned = run_step(ex)
     assert torch.equal(planned.loss, plain.loss)
     assert planned.max_grad_diff(plain) <= TOL
@@ -239,7 +243,8 @@ def test_recompute_with_the_cache_on_would_grow_it():
     ex = _example("gpt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], repeats=1)
+        # Every layer recomputed, whatever the planner would prefer on this machine's timings.
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0, repeats=1, solver="every_block")
     assert ex.model.config.use_cache is True  # plan() leaves the model as found
     gradckpt.apply(ex.model, plan)
     out = ex.model(**ex.inputs)
