@@ -183,24 +183,34 @@ def _plan_fitted(
     repeats: int,
     given: Profile | None,
     segments: bool,
+    measure_candidates: int = 0,
 ) -> tuple[replan.Call, Plan, Profile]:
-    """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile."""
+    """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile.
+
+    The call is seen while the step runs (profiling, or measuring candidates);
+    with a given profile and nothing measured, under fake tensors.
+    """
     recording = replan.capture_call(model, loss_fn)
-    if given is None:
-        prof = profile(model, recording, blocks=blocks, repeats=repeats)
-    else:
-        prof = given
+    prof = given if given is not None else profile(model, recording, blocks=blocks, repeats=repeats)
+    budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
+    chosen = solve(prof, budget_bytes, solver, segments=segments)
+    if measure_candidates and not prof.fake:
+        from gradckpt.apply.select import fastest_measured
+
+        count = measure_candidates if solver == "dp" else 1
+        with shape_guard.paused(model):  # candidates are applied and run by hand
+            chosen = fastest_measured(model, recording, prof, chosen, count, segments=segments)
+    calls = recording.calls  # type: ignore[attr-defined]
+    if not calls:
         preparing = integrations.preparing(model, fake=True)
         with preparing, torch.no_grad(), fake_model(model) as mode, mode:
             recording()  # only to see the call's shapes; nothing is allocated
-    calls = recording.calls  # type: ignore[attr-defined]
     if not calls:
         raise ValueError(
             "loss_fn did not call the model itself (model(...)), so gradckpt cannot see the "
             "shape of its inputs to guard or plan other shapes; call the model in loss_fn"
         )
-    budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
-    return calls[0], solve(prof, budget_bytes, solver, segments=segments), prof
+    return calls[0], chosen, prof
 
 
 def _planner(
@@ -320,8 +330,6 @@ def fit(
         >>> plan.predicted_overhead, plan.measured_overhead
         >>> print(gradckpt.shape_stats(model).summary())
     """
-    from gradckpt.apply.select import fastest_measured
-
     _check_arguments(
         model,
         loss_fn,
@@ -346,13 +354,9 @@ def fit(
             f"measurement off), got {measure_candidates!r}"
         )
     with integrations.training(model):  # transformers: use_cache off for training, said once
-        fitted, chosen, prof = _plan_fitted(
-            model, loss_fn, budget, blocks, solver, repeats, profile, segments
+        fitted, chosen, _ = _plan_fitted(
+            model, loss_fn, budget, blocks, solver, repeats, profile, segments, measure_candidates
         )
-        if measure_candidates and not prof.fake:
-            count = measure_candidates if solver == "dp" else 1
-            with shape_guard.paused(model):  # candidates are applied and run by hand
-                chosen = fastest_measured(model, loss_fn, prof, chosen, count, segments=segments)
         planner = _planner(
             model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
             rescale,

@@ -149,6 +149,9 @@ class ShapeGuard:
 
     def on_call(self, args: tuple, kwargs: dict) -> None:
         """Check one call before it runs; switch, plan, warn or raise as the policy says."""
+        if getattr(self._busy, "redispatched", False):
+            self._busy.redispatched = False  # this call was checked by the root it left
+            return
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
             return  # eval, or our own profiling call of the model
         self.calls += 1
@@ -281,18 +284,27 @@ def guards(model: nn.Module) -> bool:
     return model in _GUARDS
 
 
-def check(forward: Any, args: tuple, kwargs: dict) -> None:
+def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
     """Run the shape guard of the model ``forward`` is bound to (the root wrapper's hook).
 
+    Returns the model's new root wrapper when the guard switched plans (the
+    calling wrapper is then stale: the rest of the call must run through the new
+    one, whose units' segments open only inside their own root), else None.
     Looked up by the model at each call, so a copy of the model (its forward
     bound to the copy) is never guarded, or re-planned, as the original.
     """
     if not _GUARDS:
-        return
+        return None
     model = getattr(forward, "__self__", None)
     guard = _GUARDS.get(model) if isinstance(model, nn.Module) else None
-    if guard is not None:
-        guard.on_call(args, kwargs)
+    if guard is None:
+        return None
+    switches = guard.switches
+    guard.on_call(args, kwargs)
+    if guard.switches == switches:
+        return None
+    guard._busy.redispatched = True  # the new root's check of this same call is a no-op
+    return model.__dict__.get("forward")
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

@@ -214,7 +214,9 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        shape_guard.check(self.forward, args, kwargs)  # [shapes #9] may switch or re-plan first
+        switched = shape_guard.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        if switched is not None and switched is not self:
+            return switched(*args, **kwargs)  # the new plan's root runs this call
         depth = _stack_depth()
         roots = _running_roots()
         roots.append(self)
