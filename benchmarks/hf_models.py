@@ -65,7 +65,7 @@ FULL: dict[str, dict[str, Any]] = {
     "vit": dict(layers=8, hidden=384, heads=6, image=160, patch=16, batch=8),
     "t5": dict(layers=4, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
     "llama-lora": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
-    "unet-512": dict(sample=512, batch=1, channels=(16, 32, 32)),
+    "unet-512": dict(sample=512, batch=1, channels=(16, 32, 32, 64)),
     "sd-unet": dict(sample=64, batch=2, channels=(32, 64, 128), layers_per_block=2),
 }
 QUICK: dict[str, dict[str, Any]] = {

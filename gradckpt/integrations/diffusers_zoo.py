@@ -30,11 +30,14 @@ UNETS = ("unet2d", "unet2d_condition")
 
 
 def _unet2d(s: dict[str, Any]) -> nn.Module:
+    # Self-attention only at the lowest resolution (and in the mid block), as pixel-space
+    # DDPM U-Nets do: at 512x512 an attention two levels up would span 65536 positions.
+    n = len(s["channels"])
     return UNet2DModel(
         sample_size=s["sample"], in_channels=3, out_channels=3,
         layers_per_block=s["layers_per_block"], block_out_channels=s["channels"],
-        down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D")[: len(s["channels"])],
-        up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")[-len(s["channels"]):],
+        down_block_types=("DownBlock2D",) * (n - 1) + ("AttnDownBlock2D",),
+        up_block_types=("AttnUpBlock2D",) + ("UpBlock2D",) * (n - 1),
         norm_num_groups=s["groups"], attention_head_dim=s["head_dim"], dropout=s["dropout"],
     )  # fmt: skip
 
