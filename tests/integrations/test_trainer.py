@@ -105,6 +105,16 @@ def test_losses_and_weights_identical_to_a_plain_trainer(tmp_path, options, capl
     assert len(logged) == 1 and logged[0]["gradckpt_budget_bytes"] == report.budget_bytes
 
 
+def test_replaces_the_trainers_own_gradient_checkpointing(tmp_path):
+    _, plain_losses = _train(tmp_path / "plain")
+    callback = BudgetCallback(BUDGET, repeats=1)
+    with pytest.warns(UserWarning, match="turned transformers' own activation checkpointing off"):
+        planned, losses = _train(tmp_path / "both", [callback], gradient_checkpointing=True)
+    assert losses == plain_losses
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in planned.model.modules())
+    assert gradckpt.applied_plan(planned.model) is callback.plan
+
+
 def test_bf16_is_planned_under_the_trainers_autocast(tmp_path):
     fp32, bf16 = BudgetCallback(BUDGET, repeats=1), BudgetCallback(BUDGET, repeats=1)
     _train(tmp_path / "fp32", [fp32], max_steps=1)
