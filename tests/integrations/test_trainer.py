@@ -23,6 +23,12 @@ import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import hf_example
 
+# transformers 5.x renamed TrainingArguments.gradient_checkpointing (the old name warns).
+_OWN_SWITCH = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 BUDGET = 0.85  # of the plain peak; the tiny GPT-2 cannot go much lower
 VOCAB, SEQ = 128, 32
 
@@ -109,7 +115,7 @@ def test_replaces_the_trainers_own_gradient_checkpointing(tmp_path):
     _, plain_losses = _train(tmp_path / "plain")
     callback = BudgetCallback(BUDGET, repeats=1)
     with pytest.warns(UserWarning, match="turned transformers' own activation checkpointing off"):
-        planned, losses = _train(tmp_path / "both", [callback], gradient_checkpointing=True)
+        planned, losses = _train(tmp_path / "both", [callback], **{_OWN_SWITCH: True})
     assert losses == plain_losses
     assert not any(getattr(m, "gradient_checkpointing", False) for m in planned.model.modules())
     assert gradckpt.applied_plan(planned.model) is callback.plan
