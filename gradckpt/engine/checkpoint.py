@@ -45,8 +45,8 @@ def checkpoint(
     policy: Callable[..., Any] | None = None,
     preserve_rng_state: bool = True,
     determinism_check: str = "default",
-    early_stop: bool = True,
-    debug: bool = False,
+    early_stop: bool | None = None,
+    debug: bool | None = None,
     use_reentrant: bool | None = None,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     **kwargs: Any,
@@ -66,8 +66,13 @@ def checkpoint(
         preserve_rng_state: replay the CPU and device RNG so dropout masks match.
         determinism_check: "default" compares shape/dtype/device of recomputed
             tensors with the forward's; "none" skips the check.
-        early_stop: stop the recompute once the last needed tensor is rebuilt.
-        debug: record op sequences and print them in recompute mismatch errors.
+        early_stop: stop the recompute once the last needed tensor is rebuilt
+            (default True). None defers to torch's global
+            ``torch.utils.checkpoint.set_checkpoint_early_stop(...)``; an explicit
+            value wins over it (the preferred form: it says what this call does).
+        debug: record op sequences and print them in recompute mismatch errors
+            (default False). None defers to torch's
+            ``set_checkpoint_debug_enabled(...)``; an explicit value wins over it.
         use_reentrant: accepted for compatibility; only False/None are allowed.
         context_fn: returns (forward context, recompute context), as in torch.
         **kwargs: keyword arguments for ``fn``.

@@ -34,12 +34,17 @@ from gradckpt.engine.holders import (
     CheckpointError,
     Deferred,
     Holder,
+    PassId,
     active_frame,
+    current_exec_group,
     in_region_forward,
+    is_group_id,
     meta,
     region_stack,
+    running_gid,
     unpack,
 )
+from gradckpt.engine.inputs import KeptInputs
 from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
 from gradckpt.engine.state import ReplayState, capture_state
 
@@ -51,22 +56,10 @@ class _StopRecompute(Exception):
         self.frame = frame
 
 
-_TENSOR_SLOT = object()  # marks where a tensor input goes in a frame's input template
-
-
-class _SaveInputs(torch.autograd.Function):
-    """Saves a region's tensor inputs through autograd, so an enclosing
-    ``saved_tensors_hooks`` (e.g. ``save_on_cpu``) applies to them and in-place
-    changes to them are caught by the version counter."""
-
-    @staticmethod
-    def forward(ctx, dummy, *tensors):
-        ctx.save_for_backward(*tensors)
-        return dummy.new_empty((0,))
-
-    @staticmethod
-    def backward(ctx, *grads):  # pragma: no cover - never part of a real backward
-        return (None,) * (1 + len(ctx.saved_tensors))
+#: Recomputes that may run inside one another on a thread (nested regions,
+#: ``autograd.grad`` inside checkpointed code). Far above real nesting, far
+#: below where Python's recursion limit would break the autograd engine.
+MAX_RECOMPUTE_DEPTH = 32
 
 
 class Frame:
@@ -89,8 +82,8 @@ class Frame:
         policy: Callable[..., Any] | None = None,
         preserve_rng_state: bool = True,
         check_metadata: bool = True,
-        early_stop: bool = True,
-        debug: bool = False,
+        early_stop: bool | None = None,
+        debug: bool | None = None,
         name: str = "",
         context_fn: Callable[[], tuple[Any, Any]] | None = None,
         compiled: bool = False,
@@ -102,7 +95,8 @@ class Frame:
         self.policy = policy
         self.preserve_rng_state = preserve_rng_state
         self.check_metadata = check_metadata
-        self.early_stop = early_stop
+        self.early_stop = _torch_toggle("_enable_checkpoint_early_stop", early_stop, True)
+        debug = _torch_toggle("_checkpoint_debug_enabled", debug, False)
         self.name = name
         self.context_fn = context_fn
         self.compiled = compiled
@@ -112,7 +106,7 @@ class Frame:
         self._mutated: list[torch.Tensor] = []
         top = active_frame()
         # Opened during an enclosing region's recompute: holders come from it.
-        self.parent: tuple[Frame, int] | None = (
+        self.parent: tuple[Frame, PassId] | None = (
             (top[0], top[1]) if top is not None and top[1] is not None else None
         )
         self.slots: list[weakref.ref[Holder] | None] = []
@@ -121,16 +115,12 @@ class Frame:
         self.op_count = 0
         self.forward_completed = False
         self.lenient_count = False
-        self.recomputed: set[int] = set()
-        self.counters: dict[int, int] = {}
-        self.stops: dict[int, int] = {}
+        self.recomputed: set[PassId] = set()
+        self.counters: dict[PassId, int] = {}
+        self.stops: dict[PassId, int] = {}
         self.forward_log: list[str] | None = [] if debug else None
         self.recompute_log: list[str] | None = None
-        self._template: list[Any] = []
-        self._input_node: Any = None
-        self._inputs: list[torch.Tensor] = []
-        self._versions: list[int] = []
-        self._requires_grad: list[bool] = []
+        self._inputs: KeptInputs | None = None
         self._state: ReplayState | None = None
         self._exit: contextlib.ExitStack | None = None
         self._recompute_context: Any = None
@@ -140,40 +130,8 @@ class Frame:
     def save_inputs(self, flat_inputs: list[Any]) -> None:
         """Keep the region's inputs (tensors by reference; other values as they are)."""
         tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
-        self._template = [_TENSOR_SLOT if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-        self._requires_grad = [t.requires_grad for t in tensors]
-        if self.parent is None:
-            dummy = torch.empty((0,), requires_grad=True)
-            self._input_node = _SaveInputs.apply(dummy, *tensors).grad_fn
-        else:
-            # Inside an enclosing recompute, saving through autograd would add
-            # entries to the enclosing region's sequence: keep plain references.
-            self._inputs = [t.detach() for t in tensors]
-            self._versions = [t._version for t in tensors]
+        self._inputs = KeptInputs(flat_inputs, nested=self.parent is not None)
         self._state = capture_state(tensors, self.preserve_rng_state)
-
-    def _get_inputs(self) -> list[Any]:
-        if self._input_node is not None:
-            tensors = list(self._input_node.saved_tensors)
-        else:
-            for t, version in zip(self._inputs, self._versions):
-                if t._version != version:
-                    raise RuntimeError(
-                        "an input of a checkpointed region was modified in place after the "
-                        "region ran; its recompute would see different values. Clone the "
-                        "tensor before changing it."
-                    )
-            tensors = self._inputs
-        it = iter(tensors)
-        rg = iter(self._requires_grad)
-        out = []
-        for x in self._template:
-            if x is _TENSOR_SLOT:
-                t = next(it).detach()
-                out.append(t.requires_grad_(True) if next(rg) else t)
-            else:
-                out.append(x)
-        return out
 
     def begin(self) -> None:
         """Enter the region's forward: saved tensors become holders from here on."""
@@ -182,15 +140,19 @@ class Frame:
             if not self.compiled:
                 # Whatever is compiled inside runs eagerly, as in the recompute.
                 stack.enter_context(dynamo.eager())
+            forward_context = None
             if self.context_fn is not None:
                 forward_context, self._recompute_context = self.context_fn()
-                stack.enter_context(forward_context)
             pack = self._pack_forward if self.parent is None else self._pack_nested
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             if self.policy is not None:
                 stack.enter_context(PolicyMode(self))
             if self.forward_log is not None:
                 stack.enter_context(OpLogMode(self.forward_log))
+            if forward_context is not None:
+                # Entered last, as torch does: a TorchDispatchMode it holds (SAC's
+                # caching mode) is the innermost mode, for code that inspects the stack.
+                stack.enter_context(forward_context)
             if self.compiled:
                 self.ran_compiled = dynamo.eager_reason() is None
                 if self.state is not None:
@@ -214,8 +176,10 @@ class Frame:
             self._state_versions = []
         if exc is None:
             self.forward_completed = True
-            if self.parent is None and self._state is not None:
-                self._state.check_device_not_initialized_inside()
+            if self._state is not None:
+                self._state.forget_unused_host_rngs()
+                if self.parent is None:
+                    self._state.check_device_not_initialized_inside()
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -259,7 +223,7 @@ class Frame:
         """Rerun the region from its inputs (subclasses replay differently)."""
         return self.body(inputs)
 
-    def _fill(self, gid: int, value: Any, x: torch.Tensor) -> Holder | None:
+    def _fill(self, gid: PassId, value: Any, x: torch.Tensor) -> Holder | None:
         index = self.counters[gid]
         self.counters[gid] = index + 1
         if index >= len(self.slots):
@@ -269,8 +233,9 @@ class Frame:
                 self.lenient_count = True
                 return None
             raise CheckpointError(
-                "a checkpointed region saved more tensors during its recompute than during "
-                f"its forward ({len(self.slots)}). {DEBUG_TIP}{self._log_tail()}"
+                "Trying to save more tensors during recomputation than "
+                f"during the original forward pass: region {self.name!r} saved "
+                f"{len(self.slots)} in its forward. {DEBUG_TIP}{self._log_tail()}"
             )
         ref = self.slots[index]
         holder = ref() if ref is not None else None
@@ -278,30 +243,47 @@ class Frame:
             return None  # already consumed by an earlier (partial) backward
         if holder.meta is not None and holder.meta != meta(x):
             raise CheckpointError(
-                f"a checkpointed region recomputed saved tensor #{index} with "
-                f"shape/dtype/device {meta(x)}, but its forward saved {holder.meta}. "
-                f"{DEBUG_TIP}{self._log_tail()}"
+                "Recomputed values for the following tensors have "
+                f"different metadata than during the forward pass: region {self.name!r} "
+                f"recomputed saved tensor #{index} with shape/dtype/device {meta(x)}, but its "
+                f"forward saved {holder.meta}. {DEBUG_TIP}{self._log_tail()}"
             )
         holder.values[gid] = value
         return holder
 
-    def _maybe_stop(self, gid: int) -> None:
+    def _maybe_stop(self, gid: PassId) -> None:
         if self.early_stop and self.counters[gid] > self.stops[gid]:
             raise _StopRecompute(self)
 
-    def _pack_recompute(self, gid: int) -> Callable[[torch.Tensor], Any]:
+    def _pack_recompute(self, gid: PassId) -> Callable[[torch.Tensor], Any]:
         def pack(x: torch.Tensor) -> Any:
-            value = x.detach()
+            # Detach only what carries a graph: a tensor without one is handed
+            # back as itself (identity and Python attributes kept, as in torch).
+            value = x.detach() if x.requires_grad else x
             self._fill(gid, value, x)
             self._maybe_stop(gid)
             return value
 
         return pack
 
-    def recompute(self, gid: int) -> None:
+    def recompute(self, gid: PassId) -> None:
         """Run the region again (once per backward pass) and fill its holders."""
         if gid in self.recomputed:
             return
+        # Only a bug could trip these (see holders.unpack): say so rather than
+        # recurse until the autograd engine fails with a bare SystemError.
+        if running_gid(self) is not None:
+            raise CheckpointError(
+                f"region {self.name!r} was asked to recompute while its recompute for another "
+                "backward pass is running; please report this with the model code."
+            )
+        depth = sum(1 for _, running in region_stack() if running is not None)
+        if depth >= MAX_RECOMPUTE_DEPTH:
+            raise CheckpointError(
+                f"recomputing region {self.name!r} would make {depth + 1} recomputes run inside "
+                f"one another (at most {MAX_RECOMPUTE_DEPTH}); checkpointed regions are recomputing each "
+                "other without end. Please report this with the model code."
+            )
         self.recomputed.add(gid)
         alive = [i for i, ref in enumerate(self.slots) if ref is not None and ref() is not None]
         if not alive:
@@ -314,9 +296,18 @@ class Frame:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: (frame := ref()) is not None and frame._release(gid)
             )
+        elif is_group_id(gid):
+            # Several backward calls share this pass (a GraphExecGroup): forget it
+            # when the group object is gone.
+            group = current_exec_group()
+            if group is not None:
+                ref = weakref.ref(self)
+                weakref.finalize(
+                    group, lambda: (frame := ref()) is not None and frame._release(gid)
+                )
         self.counters[gid] = 0
         self.stops[gid] = alive[-1]
-        inputs = self._get_inputs()
+        inputs = self._inputs.get()
         stopped = False
         stack = region_stack()
         stack.append((self, gid))
@@ -332,14 +323,16 @@ class Frame:
                 ctx.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(self._pack_recompute(gid), unpack)
                 )
-                if self._recompute_context is not None:
-                    ctx.enter_context(self._recompute_context)
                 if not self.ran_compiled:
                     # Dynamo runs compiled code eagerly under this mode: the
                     # recompute of an eager region stays eager.
                     ctx.enter_context(RecomputeMode(self))
                     if self.recompute_log is not None:
                         ctx.enter_context(OpLogMode(self.recompute_log))
+                if self._recompute_context is not None:
+                    # Innermost, as in torch: SAC's cached mode answers kept ops
+                    # first; what it runs goes through RecomputeMode below it.
+                    ctx.enter_context(self._recompute_context)
                 self.run_body(inputs)
         except _StopRecompute as stop:
             if stop.frame is not self:
@@ -351,8 +344,10 @@ class Frame:
         self.stops.pop(gid)
         if not stopped and count != len(self.slots) and not self.lenient_count:
             raise CheckpointError(
-                f"a checkpointed region saved {count} tensors during its recompute but "
-                f"{len(self.slots)} during its forward. {DEBUG_TIP}{self._log_tail()}"
+                "A different number of tensors was saved during the "
+                f"original forward and recomputation: region {self.name!r} saved {count} "
+                f"tensors during its recompute but {len(self.slots)} during its forward. "
+                f"{DEBUG_TIP}{self._log_tail()}"
             )
 
     def _check_compiled_recompute(self) -> None:
@@ -377,7 +372,7 @@ class Frame:
                 for t, value in kept:
                     t.copy_(value)
 
-    def _release(self, gid: int) -> None:
+    def _release(self, gid: PassId) -> None:
         """Forget backward pass ``gid`` (called when it ends)."""
         self.recomputed.discard(gid)
         for ref in self.slots:
@@ -390,7 +385,26 @@ class Frame:
             return ""
         fwd = "\n  ".join(self.forward_log) or "(none)"
         rec = "\n  ".join(self.recompute_log or []) or "(none)"
-        return f"\nOps in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
+        return (
+            "\nDetected non-determinism while running activation checkpointing (debug=True): "
+            "compare the two op sequences.\n"
+            f"Ops in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
+        )
+
+
+def _torch_toggle(name: str, explicit: bool | None, default: bool) -> bool:
+    """A per-call keyword if given, else torch's global toggle if set, else the default.
+
+    ``torch.utils.checkpoint.set_checkpoint_early_stop`` and
+    ``set_checkpoint_debug_enabled`` set module globals; they are read when the
+    region opens, as torch reads them.
+    """
+    if explicit is not None:
+        return bool(explicit)
+    from torch.utils import checkpoint as torch_checkpoint
+
+    toggled = getattr(torch_checkpoint, name, None)
+    return bool(toggled) if toggled is not None else default
 
 
 def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:

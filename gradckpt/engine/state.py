@@ -4,11 +4,19 @@ The recompute must see what the forward saw: the same RNG stream (dropout
 masks), the same autocast settings and the same ``torch.device(...)`` context.
 It must also leave the caller's RNG stream where it was, so it runs under
 ``torch.random.fork_rng``.
+
+Beyond torch's checkpoint, the RNG streams of Python's ``random`` module and
+NumPy's global ``np.random`` (when NumPy is loaded) are replayed the same way:
+a block that draws from them (random crops, token dropping, stochastic depth
+decided in Python) recomputes the same draws. Generators a block owns
+(``np.random.default_rng()``, ``random.Random()``) are its own business.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -84,6 +92,8 @@ class ReplayState:
     device_was_initialized: bool
     autocast: dict[str, tuple[bool, torch.dtype, bool]]
     device_context: Any
+    python_rng: Any = None
+    numpy_rng: Any = None
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
@@ -100,6 +110,7 @@ class ReplayState:
                 module = _device_module(self.device_type)
                 for device, state in zip(self.devices, self.device_rngs):
                     module.set_rng_state(state, device)
+                self._replay_host_rngs(stack)
             for device_type, (enabled, dtype, cache) in self.autocast.items():
                 stack.enter_context(
                     torch.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
@@ -107,6 +118,29 @@ class ReplayState:
             if self.device_context is not None:
                 stack.enter_context(self.device_context)
             yield
+
+    def _replay_host_rngs(self, stack: contextlib.ExitStack) -> None:
+        # The caller's streams go back once the recompute ends.
+        if self.python_rng is not None:
+            stack.callback(random.setstate, random.getstate())
+            random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            numpy_random = _numpy_random()
+            if numpy_random is not None:
+                stack.callback(numpy_random.set_state, numpy_random.get_state())
+                numpy_random.set_state(self.numpy_rng)
+
+    def forget_unused_host_rngs(self) -> None:
+        """After the forward: drop host RNG states the region did not draw from.
+
+        Most regions never touch ``random`` or ``np.random``; their recompute
+        then skips the host replay (a NumPy state costs tens of microseconds to
+        read or write).
+        """
+        if self.python_rng is not None and random.getstate() == self.python_rng:
+            self.python_rng = None
+        if self.numpy_rng is not None and _same_numpy_state(_numpy_state(), self.numpy_rng):
+            self.numpy_rng = None
 
     def check_device_not_initialized_inside(self) -> None:
         """Raise if the forward initialized the device, whose RNG we therefore missed."""
@@ -121,6 +155,12 @@ class ReplayState:
                 "before the first checkpointed call (e.g. move the model to it), or pass "
                 "preserve_rng_state=False."
             )
+
+
+def _numpy_random() -> Any:
+    # Only a NumPy the program already imported: gradckpt never imports it.
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "random", None) if numpy is not None else None
 
 
 def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayState:
@@ -147,4 +187,20 @@ def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayStat
         device_was_initialized=initialized,
         autocast=autocast,
         device_context=_current_device_context(),
+        python_rng=random.getstate() if preserve_rng else None,
+        numpy_rng=_numpy_state() if preserve_rng else None,
     )
+
+
+def _numpy_state() -> Any:
+    numpy_random = _numpy_random()
+    return numpy_random.get_state() if numpy_random is not None else None
+
+
+def _same_numpy_state(now: Any, then: Any) -> bool:
+    # Legacy state tuples: (name, key array, position, has_gauss, cached_gaussian).
+    if now is None or len(now) != len(then):
+        return False
+    if any(a != b for i, (a, b) in enumerate(zip(now, then)) if i != 1):
+        return False
+    return bool((now[1] == then[1]).all())
