@@ -22,12 +22,13 @@ from gradckpt.plan.dp import Chain, Option, Stage
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.plan.simulate import live_trace
 from gradckpt.policies import MATMUL_OPS
-from gradckpt.profile.records import NEVER, Profile, UnitRecord
+from gradckpt.profile.records import NEVER, PackRecord, Profile, UnitRecord
 
 __all__ = ["ChainModel", "build_chain", "candidate_sets"]
 
 _MATMUL_NAMES = {str(op) for op in MATMUL_OPS}
 _TIME_SHARES = (0.25, 0.5, 0.75)
+_GRID, _GRID_PER_STAGE = 1024, 8  # memory grid steps: at least, and per stage
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,34 @@ class ChainModel:
         return max(-1, (nbytes - self.base_bytes) // self.unit_bytes)
 
 
-def _stop(profile: Profile, unit: UnitRecord) -> int:
-    done = [p.ops_done for p in profile.packs if p.unit == unit.index]
+@dataclass(frozen=True)
+class _Lookup:
+    """Indexes of a profile that the builder reads once per unit and option: built in
+    one pass, so a deep model costs linear time here, not units x profile size."""
+
+    packs: dict[int, list[PackRecord]]  # unit index -> its packs
+    forward_positions: list[int]  # position of each forward op
+
+
+def _lookup(profile: Profile) -> _Lookup:
+    packs: dict[int, list[PackRecord]] = {}
+    for p in profile.packs:
+        packs.setdefault(p.unit, []).append(p)
+    return _Lookup(packs, [op.position for op in profile.ops[: profile.forward_ops]])
+
+
+def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> int:
+    look = look or _lookup(profile)
+    done = [p.ops_done for p in look.packs.get(unit.index, ())]
     return min(max(done, default=unit.first_op), unit.end_op)
 
 
-def candidate_sets(profile: Profile, unit: UnitRecord) -> list[StageOption]:
+def candidate_sets(
+    profile: Profile, unit: UnitRecord, look: _Lookup | None = None
+) -> list[StageOption]:
     """Selective save sets for a block: matmul outputs, and the cheapest bytes that
     remove 25/50/75% of its recompute time (ops by time per byte, best first)."""
-    stop = _stop(profile, unit)
+    stop = _stop(profile, unit, look)
     eligible = []
     for op in profile.ops[unit.first_op : stop]:
         if not op.outputs or op.time <= 0:
@@ -95,13 +115,13 @@ def candidate_sets(profile: Profile, unit: UnitRecord) -> list[StageOption]:
     return [StageOption("selective", s, tuple(ops[i].name for i in s)) for s in unique]
 
 
-def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
+def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
     """Bytes the unit holds from its forward to its backward, besides its input and output."""
     inside = range(unit.first_op, unit.end_op)
     if option.mode == "keep":
         sids = {
-            p.storage for p in profile.packs
-            if p.unit == unit.index and p.storage >= 0 and profile.storages[p.storage].producer in inside
+            p.storage for p in look.packs.get(unit.index, ())
+            if p.storage >= 0 and profile.storages[p.storage].producer in inside
         }  # fmt: skip
     elif option.mode == "selective":
         sids = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
@@ -111,14 +131,16 @@ def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
     return sum(profile.storages[s].nbytes for s in sids)
 
 
-def _own_forward_peak(profile: Profile, unit: UnitRecord, option: StageOption) -> int:
+def _own_forward_peak(
+    profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup
+) -> int:
     """Peak of the unit's own storages during its forward (what it keeps is never freed)."""
     kept: set[int] = set()
     if option.mode == "keep":
-        kept = {p.storage for p in profile.packs if p.unit == unit.index}
+        kept = {p.storage for p in look.packs.get(unit.index, ())}
     elif option.mode == "selective":
         kept = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
-    positions = [op.position for op in profile.ops[: profile.forward_ops]]
+    positions = look.forward_positions
     events = []
     for op in profile.unit_ops(unit):
         for sid in op.outputs:
@@ -194,16 +216,27 @@ def _window_levels(positions: list[int], lives: list[int], window) -> tuple[int,
     return entering, max([entering, *lives[lo:hi]])
 
 
-def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
-    """The DP chain for ``profile`` on a memory grid of ``grid`` steps up to the plain peak."""
+def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
+    """The DP chain for ``profile`` on a memory grid of ``grid`` steps up to the plain peak.
+
+    The default grid has 1024 steps, and 8 per stage on deeper models: what a stage
+    keeps is rounded to the grid and summed along the chain, so a block that keeps
+    one or two steps would make the model miss by a quarter on 400 blocks.
+
+    Example:
+        >>> model = build_chain(prof)
+        >>> model.chain.capacity, model.unit_bytes
+    """
     units = tuple(u for u in profile.units if u.plannable)
     if not units:
         raise ValueError("the model has no unit that can be checkpointed")
+    grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
+    look = _lookup(profile)
     stage_options: list[list[StageOption]] = []
     for u in units:
         options = [StageOption("keep"), StageOption("recompute")]
         if u.is_block:
-            options += candidate_sets(profile, u)
+            options += candidate_sets(profile, u, look)
         stage_options.append(options)
     span = max(1, profile.measured_peak_bytes - profile.param_bytes)
     unit_bytes = max(1, math.ceil(span / grid))
@@ -220,7 +253,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
         # (the simulator checks every plan); requirements round up.
         return max(0, round(nbytes / unit_bytes))
 
-    kept = [[_kept_bytes(profile, u, o) for o in opts] for u, opts in zip(units, stage_options)]
+    kept = [
+        [_kept_bytes(profile, u, o, look) for o in opts] for u, opts in zip(units, stage_options)
+    ]
     fwd_windows, bwd_windows = _windows(profile, units)
     fwd_need = [[0] * len(o) for o in stage_options]
     bwd_need = [[0] * len(o) for o in stage_options]
@@ -241,15 +276,21 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
             if not any(index):
                 bstart_background[i] = enter_b - held - kept[i][0]
             held += kept[i][k]
+    # Requirements stay in bytes (the DP rounds them per cell). What each stage's
+    # backward leaves live for the rest of the step (its gradients) is split off:
+    # a stage's requirement here counts the gradients of every later stage, and
+    # the DP adds back only those of the later stages in the same cell, so that
+    # identical blocks get identical stages (see gradckpt.plan.dp).
+    later = [bstart_background[i] - bstart_background[-1] for i in range(len(units))]
     stages = []
     for i, u in enumerate(units):
         opts = []
         for k, option in enumerate(stage_options[i]):
-            own = _own_forward_peak(profile, u, option)
+            own = _own_forward_peak(profile, u, option, look)
             recompute = 0.0
             if option.mode != "keep":
                 cached = {u.first_op + j for j in option.save}
-                stop = _stop(profile, u)
+                stop = _stop(profile, u, look)
                 recompute = sum(
                     op.time for op in profile.ops[u.first_op : stop] if op.index not in cached
                 )
@@ -257,9 +298,9 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
                 Option(
                     name=option.mode if option.mode != "selective" else f"selective{k - 1}",
                     kept=near(kept[i][k]),
-                    fwd=up(fwd_need[i][k]),
-                    fwd_nested=up(own + max(0, bstart_background[i])),
-                    bwd=up(bwd_need[i][k]),
+                    fwd=fwd_need[i][k],
+                    fwd_nested=own + max(0, bstart_background[i]) - later[i],
+                    bwd=bwd_need[i][k] - later[i],
                     time=u.fwd_time + u.bwd_time + recompute,
                 )
             )
@@ -271,12 +312,13 @@ def build_chain(profile: Profile, grid: int = 1024) -> ChainModel:
                 none_nested=opts[1].fwd_nested,
                 fwd_time=u.fwd_time,
                 joins_previous=i > 0 and u.chained and units[i - 1].index == u.index - 1,
+                grad=bstart_background[i - 1] - bstart_background[i] if i > 0 else 0,
             )
         )
     return ChainModel(
         # Headroom above the plain peak: the solver asks the DP slightly above the
         # budget too, since rounding may put the plain schedule a few units over.
-        chain=Chain(tuple(stages), capacity=math.ceil(1.06 * up(span)) + 8),
+        chain=Chain(tuple(stages), capacity=math.ceil(1.06 * up(span)) + 8, scale=unit_bytes),
         units=units,
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,

@@ -27,6 +27,11 @@ from gradckpt.profile.records import Profile
 __all__ = ["polish", "repair"]
 
 _POLISH_SIMULATIONS = 48
+# A simulation costs about one pass over the profile's storages and saved tensors;
+# past this many records the polish gets proportionally fewer simulations (at least
+# _POLISH_FLOOR), so that planning time stays near linear in depth.
+_POLISH_RECORDS = 240_000
+_POLISH_FLOOR = 8
 _REPAIR_ROUNDS = 8
 _REPAIR_CANDIDATES = 12
 
@@ -83,20 +88,54 @@ def _apply(plan: Plan, item: Item, new: tuple[Item, ...]) -> Plan | None:
     return Plan(_replace(plan.items, item, new), plan.fingerprint)
 
 
-def polish(profile: Profile, plan: Plan, budget: int, model: ChainModel) -> Plan:
-    """Greedy single moves that save time and keep ``plan`` within ``budget`` on the simulator."""
-    best = simulate(profile, plan)
+def _apply_all(plan: Plan, moves: list) -> Plan | None:
+    for _saved, _extra, item, new in moves:
+        plan = _apply(plan, item, new)
+        if plan is None:
+            return None
+    return plan
+
+
+def polish(
+    profile: Profile, plan: Plan, budget: int, model: ChainModel, pred: Prediction | None = None
+) -> tuple[Plan, Prediction]:
+    """Greedy single moves that save time and keep ``plan`` within ``budget`` on the simulator.
+
+    Returns the plan and its prediction (``pred``, the plan's own, saves one simulation).
+    Moves are tried in groups that grow while they fit and shrink to one move after a
+    group does not: a deep model of identical blocks has hundreds of moves that all
+    fit, or none, and one simulation then settles many of them. While each added move
+    only raises the peak (the usual case), the result is the one-at-a-time result.
+
+    Example:
+        >>> plan, pred = polish(prof, plan, 600 << 20, model)
+    """
+    best = pred or simulate(profile, plan)
     moves = [m for m in _moves(plan, model) if m[0] > 0]
     # Cheapest bytes per second saved first: those are the moves likely to fit.
     moves.sort(key=lambda m: max(m[1], 0) / m[0])
-    for _saved, _extra, item, new in moves[:_POLISH_SIMULATIONS]:
-        candidate = _apply(plan, item, new)
-        if candidate is None:
+    records = len(profile.storages) + len(profile.packs)
+    limit = max(_POLISH_FLOOR, min(_POLISH_SIMULATIONS, _POLISH_RECORDS // max(records, 1)))
+    start, group, simulations = 0, 1, 0
+    while start < len(moves) and simulations < limit:
+        chunk = moves[start : start + group]
+        candidate = _apply_all(plan, chunk)
+        if candidate is None:  # an earlier move replaced one of these items
+            if group == 1:
+                start += 1
+            group = 1
             continue
-        pred = simulate(profile, candidate)
-        if pred.peak_bytes <= budget and pred.step_time < best.step_time:
-            plan, best = candidate, pred
-    return plan
+        trial = simulate(profile, candidate)
+        simulations += 1
+        if trial.peak_bytes <= budget and trial.step_time < best.step_time:
+            plan, best = candidate, trial
+            start += len(chunk)
+            group *= 2
+        elif group > 1:
+            group = 1  # retry the first of them alone
+        else:
+            start += 1
+    return plan, best
 
 
 def repair(profile: Profile, plan: Plan, budget: int, model: ChainModel) -> tuple[Plan, Prediction]:

@@ -41,10 +41,10 @@ _RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 
 
 
 def finish(
-    profile: Profile, plan: Plan, budget: int | None, solver: str
+    profile: Profile, plan: Plan, budget: int | None, solver: str, pred: Prediction | None = None
 ) -> tuple[Plan, Prediction]:
-    """Fill in a plan's predictions from the simulator."""
-    pred = simulate(profile, plan)
+    """Fill in a plan's predictions from the simulator (``pred``: already simulated)."""
+    pred = pred or simulate(profile, plan)
     return (
         replace(
             plan,
@@ -100,6 +100,14 @@ def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[P
     return finish(profile, plan, None, "dp")
 
 
+def _polished(
+    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel
+) -> Plan:
+    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled in."""
+    polished, polished_pred = polish(profile, plan, budget, model, pred)
+    return finish(profile, polished, budget, "dp", polished_pred)[0]
+
+
 def without_segments(model: ChainModel) -> ChainModel:
     """The chain with no stage joinable to the one before: the DP then makes no segments.
 
@@ -137,17 +145,26 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
             if plan.items in tried:
                 continue
             tried.add(plan.items)
-            lowest = plan
-            if simulate(profile, plan).peak_bytes <= budget:
-                return finish(profile, polish(profile, plan, budget, model), budget, "dp")[0]
+            before, lowest = lowest, plan
+            # In this order, not by bisection: at the edge of feasibility the peak is not
+            # monotone in the DP's budget, and the first plan that fits is the one wanted.
+            pred = simulate(profile, plan)
+            if pred.peak_bytes <= budget:
+                if m == least and before is not None:
+                    # The DP's leanest plan buys its last bytes dearly (segments in
+                    # segments); the plan before it, repaired, may fit for less time.
+                    repaired, fixed = repair(profile, before, budget, model)
+                    if fixed.peak_bytes <= budget and fixed.step_time < pred.step_time:
+                        plan, pred = repaired, fixed
+                return _polished(profile, plan, pred, budget, model)
     # The DP's model is a little off for this plan shape: repair its plans on the simulator.
     if lowest is not None:
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
-            return finish(profile, polish(profile, repaired, budget, model), budget, "dp")[0]
+            return _polished(profile, repaired, pred, budget, model)
     leanest, pred = least_peak_plan(profile, model, dp)
     if pred.peak_bytes <= budget:
-        return finish(profile, polish(profile, leanest, budget, model), budget, "dp")[0]
+        return _polished(profile, leanest, pred, budget, model)
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
@@ -264,7 +281,16 @@ def solve(
     and a baseline that does (``sqrt``) is refused.
     """
     if callable(solver):
+        # A custom solver's plan gets the same simulated predictions and budget check
+        # as the built-in ones: whatever it claims about its own peak is not trusted.
+        name = getattr(solver, "__name__", "custom")
         chosen = solver(profile, budget)
+        if not isinstance(chosen, Plan):
+            raise TypeError(
+                f"the {name} solver returned {type(chosen).__name__}, not a gradckpt Plan; "
+                "a solver takes (profile, budget_bytes) and returns a Plan"
+            )
+        chosen = _fit(profile, chosen, budget, name)
     elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
     elif solver == "dp":
