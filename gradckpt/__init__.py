@@ -24,6 +24,7 @@ from gradckpt.engine import (
 )
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.errors import PlanFormatError
 from gradckpt.plan.explain import explain
 from gradckpt.profile import Profile
 
@@ -38,6 +39,7 @@ __all__ = [
     "Decision",
     "FrontierPoint",
     "Plan",
+    "PlanFormatError",
     "PlanMismatchError",
     "PolicyContext",
     "Profile",
