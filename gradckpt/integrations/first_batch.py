@@ -145,7 +145,9 @@ def fit_on_batch(
         model: the module the trainer trains.
         loss_fn: zero-argument callable: the trainer's forward on the first batch.
         budget: as for :func:`gradckpt.fit`.
-        **plan_options: passed to :func:`gradckpt.plan` (``blocks``, ``solver``, ...).
+        **plan_options: passed to :func:`gradckpt.fit` (``blocks``, ``solver``,
+            ``measure_candidates``, ...). When ``loss_fn`` never calls ``model``'s own
+            forward, ``segments`` defaults to False (segments open only inside it).
 
     Returns:
         The applied plan and its :class:`BudgetReport` (also logged at INFO on the
@@ -154,9 +156,24 @@ def fit_on_batch(
     Example:
         >>> plan, report = fit_on_batch(model, lambda: model(**batch).loss, "2GiB")
     """
-    from gradckpt.api import fit
+    from gradckpt.api import fit, profile
 
-    plan = fit(model, loss_fn, budget, **plan_options)
+    options = dict(plan_options)
+    if options.get("profile") is None:
+        # A trainer's step need not call the module's own forward (Lightning's
+        # training_step often calls a submodule); a plan's multi-unit segments
+        # open only inside that forward, so without it plan unit by unit.
+        calls: list[None] = []
+        hook = model.register_forward_pre_hook(lambda module, args: calls.append(None))
+        try:
+            options["profile"] = profile(
+                model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
+            )
+        finally:
+            hook.remove()
+        if not calls:
+            options.setdefault("segments", False)
+    plan = fit(model, loss_fn, budget, **options)
     measured = measure_step(model, loss_fn)
     report = BudgetReport(
         budget_bytes=int(plan.budget_bytes or plan.baseline_peak_bytes),

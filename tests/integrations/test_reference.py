@@ -102,15 +102,6 @@ def test_an_applied_model_as_its_own_reference_runs_plainly_under_no_grad(dpo):
     assert got_peak == want_peak
 
 
-def _has_copy_fix() -> bool:
-    """Whether this gradckpt binds installed wrappers to the instance they sit on."""
-    ex = gpt(layers=2, d_model=16, seq=8, vocab=32, batch=2)
-    gradckpt.fit(ex.model, ex.loss_fn, 0.9, repeats=1)
-    twin = copy.deepcopy(ex.model)
-    return gradckpt.applied_plan(twin) is not None
-
-
-@pytest.mark.xfail(not _has_copy_fix(), strict=True, reason="needs deepcopy fix from safety branch")
 def test_a_deepcopy_of_an_applied_model_runs_and_trains_its_own_weights(dpo):
     ex, _, _, with_reference, _ = dpo
     before = copy.deepcopy(ex.model)  # the weights at copy time, never planned

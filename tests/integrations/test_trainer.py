@@ -96,7 +96,7 @@ def test_losses_and_weights_identical_to_a_plain_trainer(tmp_path, options, capl
     _assert_same_weights(planned.model, plain.model)
     # The plan is applied, recomputes something, and its measured peak holds the budget.
     assert gradckpt.applied_plan(planned.model) is callback.plan
-    assert any(item.mode != "keep" for item in callback.plan.items) or any(
+    assert any(unit.mode != "keep" for unit in callback.plan.units) or any(
         isinstance(item, gradckpt.Segment) for item in callback.plan.items
     )
     report = callback.report
