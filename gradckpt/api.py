@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,12 +13,12 @@ from torch import nn
 
 from gradckpt import integrations, replan
 from gradckpt.apply import guard as shape_guard
-from gradckpt.apply.apply import install_guarded, install_plan
+from gradckpt.apply.apply import apply, install_guarded, install_plan
 from gradckpt.plan.budget import BudgetError, check_budget, parse_budget
 from gradckpt.plan.chain import build_chain
 from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
-from gradckpt.plan.plan import Plan
+from gradckpt.plan.plan import Plan, Segment
 from gradckpt.plan.planset import PlanSet, ShapeKey
 from gradckpt.plan.simulate import simulate
 from gradckpt.plan.solvers import SOLVERS, Solver, _items, finish, none_plan, solve
@@ -161,6 +162,11 @@ def plan(
     fitted, first, _ = _plan_fitted(
         model, loss_fn, budget, blocks, solver, repeats, profile, segments
     )
+    if fitted is None:
+        raise ValueError(
+            f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so there is "
+            "no input whose shapes= could be varied; plan the module the step calls"
+        )
     plans = {fitted.key: first}
     planner = _planner(
         model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim
@@ -184,7 +190,7 @@ def _plan_fitted(
     given: Profile | None,
     segments: bool,
     measure_candidates: int = 0,
-) -> tuple[replan.Call, Plan, Profile]:
+) -> tuple[replan.Call | None, Plan, Profile]:
     """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile.
 
     The call is seen while the step runs (profiling, or measuring candidates);
@@ -192,25 +198,30 @@ def _plan_fitted(
     """
     recording = replan.capture_call(model, loss_fn)
     prof = given if given is not None else profile(model, recording, blocks=blocks, repeats=repeats)
+    calls = recording.calls  # type: ignore[attr-defined]
+    if given is None and not calls:
+        # The step never runs the model's own forward (a trainer calling its parts):
+        # a segment opens only inside that forward, so plan unit by unit.
+        segments = False
     budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
     chosen = solve(prof, budget_bytes, solver, segments=segments)
-    if measure_candidates and not prof.fake:
+    measured = measure_candidates and not prof.fake
+    if measured:
         from gradckpt.apply.select import fastest_measured
 
         count = measure_candidates if solver == "dp" else 1
         with shape_guard.paused(model):  # candidates are applied and run by hand
             chosen = fastest_measured(model, recording, prof, chosen, count, segments=segments)
-    calls = recording.calls  # type: ignore[attr-defined]
-    if not calls:
-        preparing = integrations.preparing(model, fake=True)
-        with preparing, torch.no_grad(), fake_model(model) as mode, mode:
-            recording()  # only to see the call's shapes; nothing is allocated
-    if not calls:
-        raise ValueError(
-            "loss_fn did not call the model itself (model(...)), so gradckpt cannot see the "
-            "shape of its inputs to guard or plan other shapes; call the model in loss_fn"
-        )
-    return calls[0], chosen, prof
+    if not calls and given is not None:
+        if not measured:  # nothing ran for real yet
+            preparing = integrations.preparing(model, fake=True)
+            with preparing, torch.no_grad(), fake_model(model) as mode, mode:
+                recording()  # only to see the call's shapes; nothing is allocated
+        if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
+            # Known only now that the forward is never called: its segments would not open.
+            chosen = solve(prof, budget_bytes, solver, segments=False)
+    # None: the step never calls the model's own forward, so no call's shape to guard.
+    return (calls[0] if calls else None), chosen, prof
 
 
 def _planner(
@@ -357,6 +368,15 @@ def fit(
         fitted, chosen, _ = _plan_fitted(
             model, loss_fn, budget, blocks, solver, repeats, profile, segments, measure_candidates
         )
+        if fitted is None:
+            warnings.warn(
+                f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so "
+                "calls at new shapes cannot be guarded: the plan stays as made for this "
+                "batch's shapes. Fit the module the step calls to have them guarded.",
+                stacklevel=2,
+            )
+            apply(model, chosen)
+            return chosen
         planner = _planner(
             model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
             rescale,

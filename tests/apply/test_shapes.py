@@ -169,3 +169,34 @@ def test_preplanned_shapes_switch_without_planning():
         assert peak == gradckpt.applied_plan(model).predicted_peak_bytes
     stats = gradckpt.shape_stats(model)
     assert stats.replans == 0 and stats.switches == 3
+
+
+def test_step_that_never_calls_the_model_forward_is_fitted_unguarded_with_a_warning():
+    """A trainer's step may call the model's parts, never ``model(...)`` itself (Lightning's
+    ``training_step`` calling ``self.model``'s layers): there is no call to guard, so
+    ``fit`` says so and applies the plan made for this batch, with plain gradients."""
+    model = mlp(blocks=4, width=64, batch=128).model
+    x = torch.randn(128, 64)
+
+    def step():  # runs the parts one by one, as the model's forward would: it never runs
+        h = model.inp(x)
+        for block in model.blocks:
+            h = block(h)
+        return model.head(h).square().mean()
+
+    torch.manual_seed(1)
+    step().backward()
+    plain = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="never called .* own forward"):
+        plan = gradckpt.fit(model, step, budget=0.8, measure_candidates=0)
+    assert gradckpt.applied_plan(model) is plan
+    assert gradckpt.shape_stats(model) is None or gradckpt.shape_stats(model).plans <= 1
+    torch.manual_seed(1)
+    with MemoryTracker(model) as tracker:
+        step().backward()
+    assert tracker.peak_bytes <= plan.budget_bytes  # no segment was planned that cannot open
+    for k, p in model.named_parameters():
+        assert torch.equal(p.grad, plain[k]), k
+    with pytest.raises(ValueError, match="never called"):
+        gradckpt.plan(model, step, budget=0.8, shapes=[32])
