@@ -22,6 +22,7 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
+from gradckpt.integrations.compiled import compile
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.explain import explain
@@ -48,6 +49,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "compile",
     "explain",
     "fit",
     "frontier",

@@ -89,10 +89,18 @@ def fit(model: nn.Module, loss_fn: LossFn, budget: int | float | str, **options:
 
     Example:
         >>> gradckpt.fit(model, loss_fn, budget=0.5)
+        >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
     """
+    compiled = options.pop("compile", False)  # True or torch.compile kwargs: the plan compiled
+    if compiled:
+        options.setdefault("segments", False)  # the compiler checkpoints one call per region
     with integrations.training(model):  # transformers: use_cache off for training, said once
         chosen = plan(model, loss_fn, budget, **options)  # type: ignore[arg-type]
         apply(model, chosen)
+    if compiled:
+        from gradckpt.integrations.compiled import compile as compile_planned
+
+        compile_planned(model, loss_fn, **(compiled if isinstance(compiled, dict) else {}))
     return chosen
 
 
