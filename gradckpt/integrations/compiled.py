@@ -142,10 +142,20 @@ def _compiled_forward(
         forward = plain
     else:
         context_fn = functools.partial(_sac_contexts, frozenset(saves), unit.path)
+        eager_plain = torch.compiler.disable(plain)
+
+        def body(*args: Any, **kwargs: Any) -> Any:
+            # Traced into the graph when Dynamo captures the region; when it cannot
+            # (a graph break inside), the region runs eagerly, and its body must too:
+            # a forward run as compiled frames would save other ops than the eager
+            # recompute replays.
+            if torch.compiler.is_compiling():
+                return plain(*args, **kwargs)
+            return eager_plain(*args, **kwargs)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return torch.utils.checkpoint.checkpoint(
-                plain, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+                body, *args, use_reentrant=False, context_fn=context_fn, **kwargs
             )
 
     @functools.wraps(plain)
