@@ -11,8 +11,11 @@ contenders, each on its own copy of the model (same seed, weights and batch,
 * ``gradckpt@hf``: ``gradckpt.fit`` with the budget transformers reached (its measured peak);
 * ``gradckpt@half``: ``gradckpt.fit`` with the budget halfway between that and plain.
 
-Targets: every gradckpt peak within its budget; at transformers' peak, overhead
-no worse than transformers'; at the halfway budget, at most half of it.
+Targets (issue #16's Done-when): every gradckpt peak within its budget; at
+transformers' peak, overhead no worse than transformers'; at the halfway budget,
+at most half of it; every predicted overhead within 10 points (or 25% relative,
+whichever is larger) of the measured median. Overheads are medians of per-round
+ratios over ``plain`` in the same round, with their min-max spread.
 
 Usage:
     python -m benchmarks.hf_models --repeats 5  # full run (~10 min on a loaded 2-core CPU)
@@ -22,6 +25,7 @@ Usage:
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 import warnings
@@ -49,6 +53,7 @@ from benchmarks.common import (
     write_results,
 )
 from gradckpt.measure import ratio, time_interleaved
+from gradckpt.measure.timing import work_clock
 
 MODELS = ("gpt2", "llama", "bert", "vit", "t5")
 # Sizes for a 0.5-3 s step on one CPU thread.
@@ -89,6 +94,7 @@ class Run:
     error: str = ""
     ratio: float | None = None
     min_ratio: float | None = None
+    round_ratios: tuple[float, ...] = ()  # this contender's time / plain's, per round
     median_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -178,11 +184,15 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
     log(
         f"  timing {len(steps)} contenders interleaved: {args.warmup} warm-up, {args.repeats} rounds"
     )
-    timings = time_interleaved(steps, warmup=args.warmup, repeats=args.repeats)
+    clock = work_clock("cpu") if args.clock == "cpu" else None
+    timings = time_interleaved(steps, warmup=args.warmup, repeats=args.repeats, clock=clock)
     for c, timing in timings.items():
         runs[c].median_s = timing.median
         runs[c].ratio = ratio(timing, timings["plain"])
         runs[c].min_ratio = min(timing.times) / min(timings["plain"].times)
+        runs[c].round_ratios = tuple(
+            t / p for t, p in zip(timing.times, timings["plain"].times, strict=True)
+        )
     for run in runs.values():
         run.info.pop("step", None)
         for p in run.example.model.parameters():
@@ -194,7 +204,29 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
 
 
 def _overhead(run: Run) -> float | None:
-    return None if run.ratio is None else run.ratio - 1.0
+    """Measured overhead: the median over rounds of this round's time over plain's."""
+    if not run.round_ratios:
+        return None if run.ratio is None else run.ratio - 1.0
+    return statistics.median(run.round_ratios) - 1.0
+
+
+def _spread(run: Run) -> tuple[float, float] | None:
+    if not run.round_ratios:
+        return None
+    return min(run.round_ratios) - 1.0, max(run.round_ratios) - 1.0
+
+
+def _measured(run: Run) -> str:
+    """``+12.3% (+10.1% to +15.0%)``: median overhead and its min-max over rounds."""
+    median, spread = _overhead(run), _spread(run)
+    if median is None:
+        return "n/a"
+    return f"{median:+.1%}" + (f" ({spread[0]:+.1%} to {spread[1]:+.1%})" if spread else "")
+
+
+def prediction_ok(predicted: float, measured: float) -> bool:
+    """Within 10 points, or 25% of the measured overhead if that is larger."""
+    return abs(predicted - measured) <= max(0.10, 0.25 * abs(measured))
 
 
 def targets(runs: dict[str, Run]) -> list[tuple[str, str, str, bool]]:
@@ -229,6 +261,19 @@ def targets(runs: dict[str, Run]) -> list[tuple[str, str, str, bool]]:
             o_half is not None and o_half <= hf_over / 2,
         )
     )
+    for run in (at_hf, half):
+        measured = _overhead(run)
+        if run.plan is None or measured is None:
+            continue
+        predicted = run.plan.predicted_overhead
+        rows.append(
+            (
+                f"{run.name} predicted overhead near measured",
+                "within 10 pts or 25%",
+                f"predicted {predicted:+.1%}, measured {measured:+.1%}",
+                prediction_ok(predicted, measured),
+            )
+        )
     return rows
 
 
@@ -245,11 +290,12 @@ def model_table(runs: dict[str, Run]) -> str:
                 "n/a" if run.error else f"{run.peak_bytes / base:.3f}",
                 {None: "", True: "yes", False: "**no**"}[run.within_budget],
                 "n/a" if run.median_s is None else f"{run.median_s:.3f}",
-                fmt_ratio(run.ratio),
+                _measured(run),
                 fmt_ratio(run.min_ratio),
                 "n/a" if run.error else f"{run.grad_diff:.1e}",
                 "" if pred is None else f"{(pred - run.peak_bytes) / run.peak_bytes:+.2%}",
                 "" if run.plan is None else f"{run.plan.predicted_overhead:+.1%}",
+                "" if run.plan is None else _pct(run.plan.measured_overhead),
                 _pct(run.info.get("every_block_predicted_overhead")),
                 f"{run.plan_s:.1f}" if run.plan else "",
             )
@@ -257,8 +303,9 @@ def model_table(runs: dict[str, Run]) -> str:
     return markdown_table(
         [
             "contender", "budget (MiB)", "peak (MiB)", "peak / plain", "within budget",
-            "median step (s)", "time / plain", "fastest / plain's fastest", "max abs dgrad",
-            "peak prediction error", "predicted overhead", "every-layer predicted overhead",
+            "median step (s)", "overhead: median (min to max over rounds)",
+            "fastest / plain's fastest", "max abs dgrad", "peak prediction error",
+            "predicted overhead", "fit's own measured overhead", "every-layer predicted overhead",
             "plan time (s)",
         ],
         rows,
@@ -277,6 +324,34 @@ def _plan_modes(plan: gradckpt.Plan | None) -> str:
     modes = Counter(u.mode for u in plan.units)
     segments = sum(isinstance(i, gradckpt.Segment) for i in plan.items)
     return ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + f", {segments} segment(s)"
+
+
+_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT", "vit": "ViT", "t5": "T5"}
+
+
+def readme_rows(all_runs: dict[str, dict[str, Run]]) -> str:
+    """The README's HF table: every overhead with its spread, gradckpt's with its prediction."""
+
+    def cell(run: Run) -> str:
+        if run.error:
+            return "does not fit"
+        text = _measured(run)
+        return text + (f" [pred. {run.plan.predicted_overhead:+.1%}]" if run.plan else "")
+
+    rows = [
+        (_NAMES.get(name, name), cell(runs["hf"]), cell(runs["gradckpt@hf"]),
+         cell(runs["gradckpt@half"]))
+        for name, runs in all_runs.items()
+    ]  # fmt: skip
+    return markdown_table(
+        [
+            "model",
+            "transformers' checkpointing",
+            "gradckpt at its peak",
+            "gradckpt halfway to plain",
+        ],
+        rows,
+    )
 
 
 def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tuple[str, dict]:
@@ -319,6 +394,10 @@ def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tupl
                     "median_s": r.median_s,
                     "ratio": r.ratio,
                     "min_ratio": r.min_ratio,
+                    "round_ratios": list(r.round_ratios),
+                    "measured_overhead_median": _overhead(r),
+                    "measured_overhead_spread": _spread(r),
+                    "fit_measured_overhead": r.plan.measured_overhead if r.plan else None,
                     "grad_max_abs_diff": r.grad_diff,
                     "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
                     "predicted_overhead": r.plan.predicted_overhead if r.plan else None,
@@ -336,7 +415,13 @@ def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tupl
         f"{met} of {len(summary)} met.",
         markdown_table(["model", "target", "wanted", "measured", "verdict"], summary),
     ]
-    parts += ["## Setup", info_block(info)]
+    parts += [
+        "## README rows",
+        "Overhead over plain: measured median (min to max over rounds); predicted in brackets.",
+        readme_rows(all_runs),
+        "## Setup",
+        info_block(info),
+    ]
     return "\n\n".join(parts), data
 
 
@@ -348,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="dropout of every config (default %(default)s: SDPA takes the flash kernel on CPU)",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time (default; a quiet machine) or this thread's CPU time (a loaded one; "
+        "with --threads 1)",
     )
     # One thread by default: on 2 shared cores, two OpenMP threads of one step wait on
     # each other whenever another process runs, and steps got 3-7x slower and noisy.
@@ -375,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         seed=args.seed,
         quick=args.quick,
+        clock=args.clock,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
         wall_time_s=round(wall, 1),

@@ -25,6 +25,7 @@ from gradckpt.engine import (
 from gradckpt.integrations.compiled import compile
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.errors import PlanFormatError
 from gradckpt.plan.explain import explain
 from gradckpt.profile import Profile
 
@@ -39,6 +40,7 @@ __all__ = [
     "Decision",
     "FrontierPoint",
     "Plan",
+    "PlanFormatError",
     "PlanMismatchError",
     "PolicyContext",
     "Profile",

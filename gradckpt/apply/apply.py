@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from gradckpt.apply.wrappers import (
+    RootGuard,
     SegmentSpec,
+    UnitForward,
     UnitSpec,
     fsdp_sharded,
+    make_opaque,
     make_root_guard,
     make_wrapper,
     plan_policy,
@@ -25,6 +28,7 @@ __all__ = [
     "applied_plan",
     "applied_units",
     "apply",
+    "on_remove",
     "prepare_for_compile",
     "remove",
 ]
@@ -39,14 +43,24 @@ class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
     units: dict[str, UnitSpec]
+    installed: list[UnitForward | RootGuard] = field(default_factory=list)  # per modules entry
+    undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+# What apply installed lives on the model itself (not in a registry keyed by the
+# model), so a deepcopy or an unpickled copy carries its own record, pointing at
+# its own modules, and remove() works on it.
+_STATE = "_gradckpt_installed"
+
+
+def _installed(model: nn.Module) -> _Installed | None:
+    found = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    return found if isinstance(found, _Installed) else None
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan installed on ``model`` by :func:`apply`, or None."""
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     return installed.plan if installed is not None else None
 
 
@@ -56,7 +70,7 @@ def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
     Integrations adjust them in place (``gradckpt.integrations.compile`` sets
     their compiled bodies); they live until the plan is removed or replaced.
     """
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     return installed.units if installed is not None else {}
 
 
@@ -106,8 +120,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         >>> plan = gradckpt.Plan.load("plan.json")
         >>> gradckpt.apply(model, plan)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply needs a torch.nn.Module to apply to, got {type(model).__name__}")
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply needs a gradckpt.Plan, got {type(plan).__name__}")
+        raise TypeError(
+            f"apply needs a gradckpt.Plan, got {type(plan).__name__} (read a saved plan with "
+            "gradckpt.Plan.load(path))"
+        )
     _refuse_segments_under_fsdp(model, plan)
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.fingerprint:
@@ -116,27 +135,35 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"has {fingerprint}: different modules, parameter shapes or dtypes). Plan this "
             "model with gradckpt.plan(model, loss_fn, budget)."
         )
-    current = _INSTALLED.get(model)
+    current = _installed(model)
+    undo: list[Callable[[], None]] = []
     if current is not None:
         if current.plan == plan:
             return model
+        undo = current.undo  # settings made for the plan (use_cache) stay for the next one
+        current.undo = []
         remove(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
-    installed = _Installed(plan, [], specs)
+    installed = _Installed(plan, [], specs, undo=undo)
     try:
         for spec in specs.values():
             module = spec.module
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
-            module.forward = make_wrapper(spec, specs)
+            installed.installed.append(make_wrapper(spec, specs))
+            module.forward = installed.installed[-1]
         if any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
-            model.forward = make_root_guard(model.forward)
+            guard = make_root_guard(model.forward)
+            for wrapper in installed.installed:
+                wrapper.root = guard  # segments open only inside the model's forward
+            installed.installed.append(guard)
+            model.forward = guard
     except BaseException:
         _restore(installed)
         raise
-    _INSTALLED[model] = installed
+    model.__dict__[_STATE] = installed
     if dynamo.loaded():
         prepare_for_compile(model)
     return model
@@ -150,20 +177,17 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
     kept units stay traceable. ``apply`` does this itself when Dynamo is already
     loaded; ``gradckpt.integrations.compile.compile_model`` calls it.
     """
-    installed = _INSTALLED.get(model)
+    installed = _installed(model)
     if installed is None:
         return model
     for spec in installed.units.values():
         forward = spec.module.__dict__.get("forward")
         opens_regions = spec.mode != "keep" or bool(spec.segments)
-        if opens_regions and forward is not None and not hasattr(forward, "_torchdynamo_disable"):
-            spec.module.forward = dynamo.opaque(forward)
-    guard = getattr(model.__dict__.get("forward"), "__gradckpt_guard__", None)
-    if guard is not None:
-        # Skip only the guard's own frame: the model's forward still compiles.
-        skipped = dynamo.opaque(guard, recursive=False)
-        skipped.__gradckpt_original__ = model.forward.__gradckpt_original__
-        model.forward = skipped
+        if opens_regions and isinstance(forward, UnitForward):
+            make_opaque(forward)
+    guard = model.__dict__.get("forward")
+    if isinstance(guard, RootGuard):
+        make_opaque(guard)  # skips only the guard's own frame: the model's forward compiles
     return model
 
 
@@ -187,11 +211,33 @@ def _refuse_segments_under_fsdp(model: nn.Module, plan: Plan) -> None:
 
 
 def _restore(installed: _Installed) -> None:
-    for module, had_own, previous in reversed(installed.modules):
+    for i, (module, had_own, previous) in reversed(list(enumerate(installed.modules))):
+        ours = installed.installed[i] if i < len(installed.installed) else None
+        current = module.__dict__.get("forward")
+        if ours is not None and current is not ours:
+            # Another library wrapped our forward after apply (it calls ours):
+            # keep its wrapper and make ours pass straight through.
+            ours.active = False
+            continue
         if had_own:
             module.forward = previous
         else:
             module.__dict__.pop("forward", None)
+
+
+def on_remove(model: nn.Module, undo: Callable[[], None]) -> None:
+    """Have :func:`remove` call ``undo`` (integrations put back settings made for the plan).
+
+    ``undo`` lives with the applied plan on the model, so it must copy and
+    pickle with it (a module-level function or a small object, not a closure).
+
+    Example:
+        >>> on_remove(model, RestoreCache(configs))
+    """
+    installed = _installed(model)
+    if installed is None:
+        raise ValueError("on_remove: no plan is applied to this model")
+    installed.undo.append(undo)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -200,7 +246,13 @@ def remove(model: nn.Module) -> nn.Module:
     Example:
         >>> gradckpt.remove(model)
     """
-    installed = _INSTALLED.pop(model, None)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove needs the torch.nn.Module a plan was applied to, got "
+                        f"{type(model).__name__}")  # fmt: skip
+    installed = _installed(model)
     if installed is not None:
+        del model.__dict__[_STATE]
         _restore(installed)
+        for undo in reversed(installed.undo):
+            undo()
     return model

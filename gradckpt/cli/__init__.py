@@ -2,7 +2,8 @@
 
 Errors in the input (unknown target, bad budget, a budget below the least
 feasible peak, a missing optional extra) print one line on stderr and exit with
-status 2; ``--debug`` prints the traceback as well.
+status 2; ``--debug`` prints the traceback as well, and ``--json`` prints the error as a
+JSON object on stdout too. Arguments and output paths are checked before profiling.
 
 Example:
     $ gradckpt demo
@@ -13,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 import warnings
@@ -176,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"gradckpt: error: {e}", file=sys.stderr, flush=True)
+        if "--json" in argv:  # machine-readable output stays machine-readable
+            print(json.dumps({"kind": "gradckpt.Error", "error": str(e), "exit_code": e.code}))
         return e.code
     except KeyboardInterrupt:
         print("gradckpt: interrupted", file=sys.stderr, flush=True)
@@ -194,6 +198,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from gradckpt.cli.output import Out
 
+    if getattr(args, "repeats", 1) < 1:
+        raise CliError(f"--repeats must be at least 1 (profiled steps), got {args.repeats}")
     if args.threads is not None:
         if args.threads < 1:
             raise CliError(f"--threads must be at least 1, got {args.threads}")

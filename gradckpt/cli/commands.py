@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from gradckpt.cli.common import (
+    check_writable,
     describe_plan,
     jsonable_profile,
     least_peak,
@@ -54,7 +55,9 @@ def _target_and_profile(args: argparse.Namespace, out: Out):
 
 
 def run_plan(args: argparse.Namespace, out: Out) -> int:
-    if args.plot:  # fail before the (possibly long) profile
+    check_writable(args.out, "--out")  # fail before the (possibly long) profile
+    if args.plot:
+        check_writable(args.plot, "--plot")
         require("matplotlib", "--plot")
     target, prof = _target_and_profile(args, out)
     plan = plan_for(prof, args.budget, args.solver, target.name)
@@ -208,6 +211,8 @@ def run_bench(args: argparse.Namespace, out: Out) -> int:
     unknown = [n for n in names if n not in SCRIPTS]
     if unknown:
         raise CliError(f"unknown benchmark(s) {unknown}: choose from {', '.join(SCRIPTS)}")
+    if args.out:
+        check_writable(args.out, "--out", folder=True)
     results = Path(args.out) if args.out else folder / "results"
     before = _files(results)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

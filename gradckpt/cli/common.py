@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "budget_arg",
+    "check_writable",
     "describe_plan",
     "frontier_rows",
     "least_peak",
@@ -64,8 +66,8 @@ def budget_arg(text: str) -> int | float | str:
         value = float(number.group(1))
         if not 0 < value <= 1:
             raise CliError(
-                f"bad budget {text!r}: a number with a point is a fraction of the plain peak, "
-                f"in (0, 1]; {BUDGET_FORMS}"
+                f"bad budget {text!r}: a number that is not whole bytes is a fraction of the "
+                f"plain peak, in (0, 1]; {BUDGET_FORMS}"
             )
         return value
     try:
@@ -73,6 +75,29 @@ def budget_arg(text: str) -> int | float | str:
     except ValueError:
         raise CliError(f"bad budget {text!r}: {BUDGET_FORMS}") from None
     return raw
+
+
+def check_writable(path: str | Path, flag: str, *, folder: bool = False) -> None:
+    """Refuse (CliError) an output path that cannot be written, before any work is done.
+
+    Example:
+        >>> check_writable("plan.json", "--out")
+    """
+    target = Path(path)
+    if not folder and target.is_dir():
+        raise CliError(f"{flag} {str(path)!r} is a directory; give a file name in it, such as "
+                       f"{str(target / 'plan.json')!r}")  # fmt: skip
+    if folder and target.exists() and not target.is_dir():
+        raise CliError(f"{flag} {str(path)!r} is a file, not a folder")
+    existing = target if folder and target.is_dir() else target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CliError(f"{flag} {str(path)!r} cannot be written: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK):
+        raise CliError(
+            f"{flag} {str(path)!r} cannot be written: no permission in {str(existing)!r}"
+        )
 
 
 def budget_at_least(nbytes: int) -> str:
@@ -116,6 +141,10 @@ def profile_target(
             )  # fmt: skip
         except (ProfileError, ValueError, TypeError) as e:
             raise CliError(f"profiling {target.name} failed: {e}") from e
+        except Exception as e:  # the target's own loss_fn failed
+            raise CliError(
+                f"profiling {target.name} failed: its loss_fn raised {type(e).__name__}: {e}"
+            ) from e
 
 
 def least_peak(prof: Profile) -> int:

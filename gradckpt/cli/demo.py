@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gradckpt.cli.common import (
+    check_writable,
     describe_plan,
     frontier_rows,
     least_peak,
@@ -96,6 +97,7 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
 
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
+    check_writable(args.out, "--out", folder=True)
     started = time.perf_counter()
     sizes = dict(DEMO_SIZES)
     outdir = Path(args.out)

@@ -194,7 +194,7 @@ def _load_file(path: Path) -> Any:
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a training script that parses its argv on import
         raise CliError(f"running {str(path)!r} failed: {type(e).__name__}: {e}") from e
     return module
 
@@ -204,7 +204,7 @@ def _call(spec: str, fn: Any) -> tuple[nn.Module, LossFn]:
         raise CliError(f"target {spec!r} is not a function")
     try:
         made = fn()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise CliError(f"target {spec!r} raised {type(e).__name__}: {e}") from e
     if hasattr(made, "model") and hasattr(made, "loss_fn"):
         made = (made.model, made.loss_fn)

@@ -7,7 +7,9 @@ Two ways in, both on models from ``transformers`` (optional extra ``hf``):
    are the blocks; embeddings, rotary tables, final norm and head are planned
    units too. While profiling, the KV cache is off (``use_cache=False``) and
    transformers' own checkpointing, if on, is paused; ``fit`` leaves both off
-   for training and says so once (:func:`training`).
+   for training and says so once (:func:`training`). The cache is kept off by
+   passing ``use_cache=False`` to training forwards, not by editing the config
+   (so ``save_pretrained`` writes the user's value); ``gradckpt.remove`` ends it.
 2. **The usual switch**: :func:`enable` turns on transformers' per-layer
    checkpointing with ``gradckpt.checkpoint`` (and an optional per-op policy)
    instead of ``torch.utils.checkpoint``; :func:`disable` undoes it.
@@ -291,6 +293,8 @@ def training(model: nn.Module) -> Iterator[None]:
         raise
     # The plan owns these settings now: a later hf.disable must not turn the cache back on.
     _caches_turned_off.pop(model, None)
+    if caches:
+        _keep_cache_off_for_training(model, caches)
     done = []
     if caches and _generates(model):
         done.append(f"set use_cache=False ({_CACHE_WHY}; generate() still uses the cache)")
@@ -301,6 +305,43 @@ def training(model: nn.Module) -> Iterator[None]:
         )
     if done:
         _tell_once(model, "fit", f"gradckpt.fit on {_name(model)}: " + "; ".join(done) + ".")
+
+
+def _no_cache_while_training(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Forward pre-hook: a forward under grad that does not choose ``use_cache`` gets False."""
+    if torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+class _RestoreCache:
+    """Puts ``use_cache`` back on the configs :func:`training` turned it off on (at ``remove``)."""
+
+    def __init__(self, changed: list[tuple[Any, bool]]) -> None:
+        self.changed = changed
+
+    def __call__(self) -> None:
+        _restore_cache(self.changed)
+
+
+def _keep_cache_off_for_training(model: nn.Module, caches: list[tuple[Any, bool]]) -> None:
+    """No KV cache in training steps while the plan is applied; ``remove`` undoes it.
+
+    When the model's forward takes ``use_cache``, the configs are left as the user
+    set them (``save_pretrained`` writes those) and training calls that do not
+    pass it get ``use_cache=False`` from a pre-hook (``generate()`` passes it).
+    Otherwise the configs stay off until ``gradckpt.remove`` restores them.
+    """
+    from gradckpt.apply.apply import on_remove
+
+    if "use_cache" not in inspect.signature(type(model).forward).parameters:
+        on_remove(model, _RestoreCache(caches))
+        return
+    _restore_cache(caches)
+    hooks = model._forward_pre_hooks.values()
+    if not any(hook is _no_cache_while_training for hook in hooks):
+        handle = model.register_forward_pre_hook(_no_cache_while_training, with_kwargs=True)
+        on_remove(model, handle.remove)
 
 
 # --------------------------------------------------------------------------- the switch

@@ -7,12 +7,14 @@ Example:
     >>> mt.peak_bytes, mt.breakdown
 """
 
+from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.flops import FlopCount, count_flops, count_ops
 from gradckpt.measure.memory import MemoryTracker, format_bytes, state_bytes
 from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import Timing, ratio, time_fn, time_interleaved
 
 __all__ = [
+    "EngineCosts",
     "FlopCount",
     "MemoryTracker",
     "StorageWatcher",

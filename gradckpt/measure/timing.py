@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "ratio", "time_fn", "time_interleaved"]
+__all__ = ["Timing", "low_estimate", "ratio", "time_fn", "time_interleaved", "work_clock"]
 
 Sync = bool | str | torch.device | Callable[[], None] | None
 
@@ -59,6 +59,39 @@ def ratio(a: Timing, b: Timing) -> float:
     return a.median / b.median
 
 
+def work_clock(device: str | torch.device = "cpu") -> Callable[[], float]:
+    """The clock to time work on ``device`` with: seconds, only differences matter.
+
+    On the CPU it is this thread's CPU time (``time.thread_time``): on a shared
+    machine, wall time also counts the slices the scheduler gave to other
+    processes, which made one op look 4x slower in one profile than in the next;
+    CPU time counts only the work (the autograd engine runs CPU backward on the
+    calling thread too). Elsewhere the host does not do the work: wall time.
+
+    Example:
+        >>> clock = work_clock("cpu"); start = clock(); step(); seconds = clock() - start
+    """
+    kind = torch.device(device).type if not isinstance(device, torch.device) else device.type
+    return time.thread_time if kind == "cpu" else time.perf_counter
+
+
+def low_estimate(times: Any) -> float:
+    """The time a run takes when nothing disturbs it: the least of the measured runs.
+
+    Noise on a shared machine (a cold first run, another process on the core,
+    cache evictions) only ever adds time, so the minimum is the most repeatable
+    statistic of a few runs; a median of three still moves with one bad run.
+
+    Example:
+        >>> low_estimate([0.31, 0.30, 0.45])
+        0.3
+    """
+    values = [float(t) for t in times]
+    if not values:
+        raise ValueError("low_estimate needs at least one measured time")
+    return min(values)
+
+
 def _synchronizer(sync: Sync) -> Callable[[], None] | None:
     # Never touch torch.cuda where it is not available: a CPU build has nothing
     # to wait for, and asking may initialize or warn.
@@ -89,16 +122,19 @@ def _check(warmup: int, repeats: int) -> None:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
 
 
-def _run_once(fn: Callable[[], Any], wait: Callable[[], None] | None) -> float:
+def _run_once(
+    fn: Callable[[], Any], wait: Callable[[], None] | None, clock: Callable[[], float] | None = None
+) -> float:
     # Queued device work must finish before either clock read, or it is billed
     # to the wrong run.
+    clock = clock or time.perf_counter
     if wait is not None:
         wait()
-    start = time.perf_counter()
+    start = clock()
     fn()
     if wait is not None:
         wait()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_fn(
@@ -131,12 +167,14 @@ def time_interleaved(
     warmup: int = 1,
     repeats: int = 5,
     sync: Sync = None,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, Timing]:
     """Time several contenders round-robin (A B C A B C ...) in this process.
 
     Running them in turns exposes all of them to the same machine state (clock
     boost, other load), so the ratio of their medians is stable even when the
-    absolute times drift. ``warmup`` unmeasured rounds come first.
+    absolute times drift. ``warmup`` unmeasured rounds come first. ``clock``:
+    wall time by default; :func:`work_clock` for CPU time on a loaded machine.
 
     Example:
         >>> t = time_interleaved({"plain": step_plain, "ckpt": step_ckpt}, repeats=7)
@@ -152,5 +190,5 @@ def time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(_run_once(fn, wait))
+            times[name].append(_run_once(fn, wait, clock))
     return {name: Timing.from_times(ts) for name, ts in times.items()}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 
-__all__ = ["BudgetError", "parse_budget"]
+__all__ = ["BudgetError", "check_budget", "parse_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -14,7 +15,7 @@ _UNITS = {
 }  # fmt: skip
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _FORMS = (
-    "a budget is bytes (an int such as 800_000_000), a string with units ('800MB', "
+    "A budget is bytes (an int such as 800_000_000), a string with units ('800MB', "
     "'1.5GiB', '12 GB'; case-insensitive; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024), "
     "or a fraction of the uncheckpointed peak: a float in (0, 1] such as 0.5, or '50%'"
 )
@@ -24,7 +25,7 @@ def _number(text: str, original: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{_FORMS}; got {original!r}") from None
+        raise _bad(original) from None
 
 
 class BudgetError(ValueError):
@@ -42,28 +43,64 @@ def parse_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
         >>> parse_budget("1.5GiB", 0), parse_budget(0.5, 1000), parse_budget(800, 0)
         (1610612736, 500, 800)
     """
-    if isinstance(budget, bool):
-        raise ValueError(f"{_FORMS}; got {budget!r}")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"{_FORMS}; got {budget} bytes")
-        return budget
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"{_FORMS}; got the float {budget} (floats are fractions)")
-        return int(budget * plain_peak_bytes)
+    kind, value = _parsed(budget)
+    return int(value) if kind == "bytes" else int(value * plain_peak_bytes)
+
+
+def check_budget(budget: object) -> None:
+    """Raise the error :func:`parse_budget` would, without knowing the plain peak.
+
+    Lets the API refuse a bad budget before it spends time profiling.
+
+    Example:
+        >>> check_budget("50%")
+    """
+    _parsed(budget)
+
+
+def _parsed(budget: object) -> tuple[str, float]:
+    """("bytes", n) or ("fraction", f): what the user meant, or a ValueError in their words."""
+    if isinstance(budget, bool) or budget is None:
+        raise _bad(budget)
+    if isinstance(budget, numbers.Integral):  # int, numpy integers
+        if int(budget) <= 0:
+            raise _bad(int(budget), "bytes must be more than 0")
+        return "bytes", int(budget)
+    if isinstance(budget, numbers.Real):  # float, numpy floats
+        if not 0.0 < float(budget) <= 1.0:
+            raise _bad(
+                float(budget),
+                "a float is a fraction of the plain peak, in (0, 1] (for bytes give an int "
+                "or a string with units)",
+            )
+        return "fraction", float(budget)
     if isinstance(budget, str):
         text = budget.strip()
         if text.endswith("%"):
-            return parse_budget(_number(text[:-1], budget) / 100, plain_peak_bytes)
-        if "." in text and text.replace(".", "", 1).isdigit() and float(text) <= 1.0:
-            return parse_budget(float(text), plain_peak_bytes)  # "0.5": a fraction
-        match = _PATTERN.match(budget)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{_FORMS}; got {budget!r}")
-        value = int(float(match.group(1)) * _UNITS[unit])
+            percent = _number(text[:-1], budget)
+            if not 0.0 < percent <= 100.0:
+                raise _bad(budget, "a percentage of the plain peak is in (0%, 100%]")
+            return "fraction", percent / 100
+        match = _PATTERN.match(text)
+        if match is None:
+            raise _bad(budget)
+        number, unit = match.group(1), match.group(2).lower()
+        if not unit and "." in number:
+            if 0.0 < float(number) <= 1.0:
+                return "fraction", float(number)  # "0.5": a fraction
+            raise _bad(
+                budget,
+                "a number with a point and no unit is a fraction of the plain peak, in (0, 1]; "
+                "for bytes give a unit ('2.5GB')",
+            )
+        if unit not in _UNITS:
+            raise _bad(budget, f"unknown unit {match.group(2)!r}")
+        value = int(float(number) * _UNITS[unit])
         if value <= 0:
-            raise ValueError(f"{_FORMS}; got {budget!r}")
-        return value
-    raise ValueError(f"{_FORMS}; got a {type(budget).__name__}")
+            raise _bad(budget)
+        return "bytes", value
+    raise _bad(budget, f"a {type(budget).__name__} is not a budget")
+
+
+def _bad(budget: object, reason: str = "") -> ValueError:
+    return ValueError(f"bad budget {budget!r}" + (f": {reason}" if reason else "") + f". {_FORMS}")

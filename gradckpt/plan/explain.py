@@ -96,6 +96,7 @@ class UnitCost:
     kept_bytes: int
     recomputed_bytes: int
     recompute_time: float  # seconds of its forward ops run again in backward
+    calls: int = 1  # times the unit runs per step (more than once: never checkpointed)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ class Explanation:
                 f"checkpointing can free at most {human_bytes(peak.kept_bytes)} at the peak "
                 "(the kept tensors alive there)"
             )
+        for u in self.units:
+            if u.calls > 1:
+                out.append(
+                    f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
+                    f"checkpoints it and keeps all it saves ({human_bytes(u.kept_bytes)}); "
+                    "to checkpoint it, wrap its calls in gradckpt.checkpoint yourself"
+                )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -392,7 +400,7 @@ def _unit_costs(
         table[r.unit] = table.get(r.unit, 0) + r.nbytes
     out = [
         UnitCost(u.path, u.is_block, decisions[u.path], kept.get(u.path, 0),
-                 recomputed.get(u.path, 0), times.get(u.index, 0.0))
+                 recomputed.get(u.path, 0), times.get(u.index, 0.0), u.calls)
         for u in prof.units
     ]  # fmt: skip
     if OUTSIDE in kept or OUTSIDE in recomputed or -1 in times:

@@ -23,8 +23,17 @@ from pathlib import Path
 from typing import Any, Union
 
 from gradckpt._versioned import check_header
+from gradckpt.plan.errors import PlanFormatError, check_plan_fields
 
-__all__ = ["PLAN_VERSION", "Item", "Plan", "Segment", "UnitChoice", "iter_units"]
+__all__ = [
+    "PLAN_VERSION",
+    "Item",
+    "Plan",
+    "PlanFormatError",
+    "Segment",
+    "UnitChoice",
+    "iter_units",
+]
 
 PLAN_VERSION = 1
 MODES = ("keep", "recompute", "selective")
@@ -113,6 +122,13 @@ class Plan:
     predicted_recompute_flops: int = 0
     solver: str = ""
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Units called more than once per step (shared weights), with their call
+    # counts: never checkpointed, always kept whole; said in the summary.
+    not_planned: tuple[tuple[str, int], ...] = ()
+    #: Median extra step time over the plain step, measured by ``fit`` (None: not measured).
+    measured_overhead: float | None = None
+    #: Least and greatest of that ratio over the measured rounds.
+    measured_overhead_range: tuple[float, float] | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -135,14 +151,29 @@ class Plan:
         data = asdict(self)
         data["items"] = [_item_to_json(i) for i in self.items]
         data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
+        data["not_planned"] = [[p, n] for p, n in self.not_planned]
         return {"kind": "gradckpt.Plan", **data}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Plan:
-        check_header(data, "gradckpt.Plan", PLAN_VERSION, "plan the model again")
+    def from_json(cls, data: dict[str, Any], source: str | None = None) -> Plan:
+        """The plan in ``data``; :class:`PlanFormatError` (naming ``source``) if malformed."""
+        if isinstance(data, dict):
+            try:
+                check_header(data, "gradckpt.Plan", PLAN_VERSION, "plan the model again")
+            except ValueError as e:
+                raise PlanFormatError(f"{source}: {e}" if source else str(e)) from None
+        check_plan_fields(data, source)
         fields = {k: v for k, v in data.items() if k != "kind"}
-        fields["items"] = tuple(_item_from_json(i) for i in data["items"])
-        fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data["input_shapes"])
+        try:
+            fields["items"] = tuple(_item_from_json(i) for i in data["items"])
+        except ValueError as e:  # a unit mode, a one-unit segment, save without selective
+            raise PlanFormatError(
+                f"{source + ': ' if source else ''}malformed gradckpt plan: items: {e}"
+            ) from None
+        fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
+        fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        if fields.get("measured_overhead_range") is not None:
+            fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])
         return cls(**fields)
 
     def save(self, path: str | Path) -> None:
@@ -151,8 +182,16 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan written by :meth:`save`."""
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a plan written by :meth:`save`; :class:`PlanFormatError` names a malformed field."""
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(
+                f"{path}: not a gradckpt plan: not JSON ({e.msg} at line {e.lineno}, column "
+                f"{e.colno}). Write plans with plan.save(path), or plan the model again"
+            ) from None
+        return cls.from_json(data, source=str(path))
 
     # --------------------------------------------------------------- display
 

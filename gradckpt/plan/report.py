@@ -37,4 +37,13 @@ def plan_summary(plan: Plan) -> str:
         f"(plain {format_bytes(plan.baseline_peak_bytes)}), "
         f"predicted overhead {plan.predicted_overhead:+.1%}",
     ]
-    return "\n".join(head + _lines(plan.items, 1))
+    if plan.measured_overhead is not None:
+        low, high = plan.measured_overhead_range or (plan.measured_overhead,) * 2
+        head.append(
+            f"  measured overhead {plan.measured_overhead:+.1%} ({low:+.1%} to {high:+.1%})"
+        )
+    shared = [
+        f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
+        for path, calls in plan.not_planned
+    ]
+    return "\n".join(head + _lines(plan.items, 1) + shared)

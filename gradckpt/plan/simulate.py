@@ -24,6 +24,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from gradckpt.plan.costs import engine_seconds, plan_counts, step_costs
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profile.records import NEVER, Profile
 
@@ -42,6 +43,8 @@ class Prediction:
     peak_position: int
     #: Seconds recomputed per unit index (-1: ops outside every unit).
     recompute_by_unit: dict[int, float] = field(default_factory=dict)
+    #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
+    engine_time: float = 0.0
 
 
 @dataclass
@@ -148,6 +151,7 @@ class _Simulator:
         self.recompute_time = 0.0
         self.recompute_by_unit: dict[int, float] = {}
         self.recompute_flops = 0
+        self.recomputed: list[tuple[Region, int]] = []  # (region, stop): for engine costs
         # Forward op index whose position follows each natural free.
         positions = [op.position for op in profile.ops[: profile.forward_ops]]
         self.fwd_positions = positions
@@ -205,6 +209,7 @@ class _Simulator:
         p = self.p
         stop = max((p.packs[i].ops_done for i in region.packs), default=region.first_op)
         stop = min(stop, region.end_op)
+        self.recomputed.append((region, stop))
         child_of: dict[int, Region] = {}
         for child in region.children:
             for pid in child.packs:
@@ -256,7 +261,9 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     sim.run()
     positions, lives = sim.line.trace()
     peak, where = max(zip(lives, positions), default=(0, (0,)), key=lambda e: e[0])
-    step_time = profile.step_time + sim.recompute_time
+    # The engine's own costs (issue #16): measured per event, counted per plan.
+    engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
+    step_time = profile.step_time + sim.recompute_time + engine
     return Prediction(
         peak_bytes=profile.param_bytes + peak,
         step_time=step_time,
@@ -265,6 +272,7 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         recompute_by_unit=sim.recompute_by_unit,
         recompute_flops=sim.recompute_flops,
         peak_position=int(where[0]),
+        engine_time=engine,
     )
 
 

@@ -17,10 +17,12 @@ from dataclasses import replace
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP, Tree
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
+from gradckpt.profile.fake import SPEEDS, estimate_time
 from gradckpt.profile.records import Profile, UnitRecord
 
 __all__ = [
@@ -56,6 +58,7 @@ def finish(
             predicted_recompute_flops=pred.recompute_flops,
             solver=solver,
             input_shapes=profile.input_shapes,
+            not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
         ),
         pred,
     )
@@ -85,19 +88,59 @@ def _where(profile: Profile, position: int) -> str:
     return f"the {phase} of {unit}"
 
 
-def least_peak_plan(profile: Profile, model: ChainModel, dp: ChainDP) -> tuple[Plan, Prediction]:
-    """The leanest plan the solver reaches, with predictions.
+def least_peak_plan(
+    profile: Profile,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
+    *,
+    segments: bool = True,
+) -> tuple[Plan, Prediction]:
+    """The leanest plan the solver reaches, with predictions (its ``peak_bytes`` is the least peak).
 
-    The DP's plan at its least feasible budget, then pushed lower by the
-    simulator-checked repair moves (the DP's model is exact only for the plans
-    it is calibrated on, so its own floor may sit a little above the true one).
+    The least of: the DP's plan at its least feasible budget, pushed lower by the
+    simulator-checked repair moves (the DP's model is exact only for the plans it
+    is calibrated on); the plain plan; and the baselines' plans. So it is never
+    above the plain peak or a hand-placed scheme's. Op times do not enter (the
+    search runs on times estimated from FLOPs and bytes): profiles of one step
+    taken on a busy machine all give the same least peak. ``model`` and ``dp``
+    are read only for whether segments are allowed (``without_segments``).
+
+    Example:
+        >>> plan, pred = least_peak_plan(prof)
+        >>> pred.peak_bytes  # no budget below this is reachable
     """
-    m = dp.least_feasible()
-    if m is None:
-        raise BudgetError("no schedule of this model fits even its plain peak (internal)")
-    plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
-    plan, _ = repair(profile, plan, 0, model)
-    return finish(profile, plan, None, "dp")
+    if model is not None and not any(st.joins_previous for st in model.chain.stages):
+        segments = False
+    steady = _timeless(profile)
+    chain = build_chain(steady)
+    if not segments:
+        chain = without_segments(chain)
+    candidates = [none_plan(profile), every_kth_plan(profile, 1), save_matmuls_plan(profile)]
+    if segments:
+        candidates.append(sqrt_plan(profile))
+    least_dp = ChainDP(chain.chain)
+    m = least_dp.least_feasible()
+    if m is not None:
+        plan = Plan(_items(chain, least_dp.schedule(m)), profile.fingerprint)
+        candidates.insert(0, repair(steady, plan, 0, chain)[0])
+    predicted = [(simulate(profile, plan), plan) for plan in candidates]
+    pred, best = min(predicted, key=lambda pair: pair[0].peak_bytes)  # the first on ties
+    return finish(profile, best, None, "dp", pred)
+
+
+def _timeless(profile: Profile) -> Profile:
+    """``profile`` with each op's time replaced by one estimated from its FLOPs and bytes."""
+    speed = SPEEDS.get(profile.device, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(
+                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+            ),
+        )
+        for op in profile.ops
+    )
+    return replace(profile, ops=ops)
 
 
 def _polished(
@@ -128,7 +171,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     Example:
         >>> plan = solve_dp(prof, 600 << 20)
     """
-    model = model or build_chain(profile)
+    model = model or with_engine_costs(build_chain(profile), profile)
     if not segments:
         model = without_segments(model)
         dp = None
@@ -162,17 +205,22 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
             return _polished(profile, repaired, pred, budget, model)
-    leanest, pred = least_peak_plan(profile, model, dp)
+    leanest, pred = least_peak_plan(profile, segments=segments)
     if pred.peak_bytes <= budget:
         return _polished(profile, leanest, pred, budget, model)
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
-        f"for this step is {format_bytes(pred.peak_bytes)}, of which parameters and buffers "
+        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
         f"are {format_bytes(profile.param_bytes)} and the rest (activations, gradients and "
         f"temporaries) peaks during {_where(profile, pred.peak_position)}. Raise the budget, "
         "or shrink the batch or sequence length.",
         least_peak_bytes=pred.peak_bytes,
     )
+
+
+def _written(nbytes: int) -> str:
+    """``nbytes`` for a message: MiB rounded up (so it works as a budget), and exact."""
+    return f"{math.ceil(nbytes * 100 / 2**20) / 100:.2f} MiB ({nbytes} bytes)"
 
 
 # ------------------------------------------------------------------ baselines
@@ -280,6 +328,14 @@ def solve(
     ``segments=False`` forbids multi-unit regions: the DP does not make them,
     and a baseline that does (``sqrt``) is refused.
     """
+    if not _plannable(profile):
+        raise ValueError(
+            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
+            "step with ops of its own (units are the model's children and its repeated "
+            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
+            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
+            "submodules."
+        )
     if callable(solver):
         # A custom solver's plan gets the same simulated predictions and budget check
         # as the built-in ones: whatever it claims about its own peak is not trusted.

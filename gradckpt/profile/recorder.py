@@ -11,7 +11,6 @@ kept, which is what a checkpointed region does.
 from __future__ import annotations
 
 import bisect
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from torch.utils.flop_counter import flop_registry
 
 from gradckpt.engine.modes import counts_as_op, written_args
 from gradckpt.measure.storages import StorageWatcher, storage_key
+from gradckpt.measure.timing import work_clock
 from gradckpt.profile.records import NEVER
 from gradckpt.profile.units import Unit
 
@@ -256,16 +256,17 @@ class StepRecorder:
 class RecordMode(TorchDispatchMode):
     """Feeds every counted op to a :class:`StepRecorder`, timing the kernel alone."""
 
-    def __init__(self, recorder: StepRecorder) -> None:
+    def __init__(self, recorder: StepRecorder, device: str = "cpu") -> None:
         super().__init__()
         self.recorder = recorder
+        self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not counts_as_op(func):
             return func(*args, **kwargs)
-        start = time.perf_counter()
+        start = self.clock()
         out = func(*args, **kwargs)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         self.recorder.record_op(func, args, kwargs, out, elapsed)
         return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gradckpt._versioned import check_header
+from gradckpt.measure.engine_costs import EngineCosts
 
 __all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
 
@@ -127,6 +128,8 @@ class Profile:
     fake: bool = False
     device: str = "cpu"
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: What gradckpt's engine adds per region, recomputed op, policy op and saved tensor.
+    engine_costs: EngineCosts = field(default_factory=EngineCosts)
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -163,6 +166,7 @@ class Profile:
             fake=data["fake"],
             device=data["device"],
             input_shapes=tuple((n, tuple(s)) for n, s in data["input_shapes"]),
+            engine_costs=EngineCosts.from_json(data.get("engine_costs")),
             version=data["version"],
         )
 

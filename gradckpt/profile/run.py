@@ -6,18 +6,27 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   when each storage would die if autograd kept nothing (inside a checkpointed
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
-  what autograd saves and releases, per-op times (median over the passes) and
-  the measured peak.
+  what autograd saves and releases, per-op times and the measured peak;
+
+and then ``repeats`` unrecorded steps that time the plain step. So ``loss_fn`` runs
+``1 + 2 * repeats`` times (7 with the default ``repeats=3``; 2 under ``fake``):
+take the batch outside it, not from an iterator inside it.
+
+Times are taken on :func:`gradckpt.measure.timing.work_clock` (thread CPU time
+on the CPU) and summarized by their least value over the passes
+(:func:`~gradckpt.measure.timing.low_estimate`): load on a shared machine and a
+cold first pass only add time, and plans must not change with them.
 
 Before each pass the RNG, buffers and gradients are reset to what they were on
-entry, and they are restored exactly at the end.
+entry, and they are restored exactly at the end (:mod:`gradckpt.profile.state`):
+also the gradients of leaves outside the model the step reaches, and the
+buffers of modules outside the model it calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -25,11 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.measure.memory import state_bytes
+from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profile.calibration import settled_step_time, settled_times
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
 from gradckpt.profile.recorder import RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
+from gradckpt.profile.state import StepState
 from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
 
 __all__ = ["ProfileError", "profile"]
@@ -37,36 +50,6 @@ __all__ = ["ProfileError", "profile"]
 
 class ProfileError(RuntimeError):
     """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
-
-
-class _StateGuard:
-    """Snapshot of gradients, buffers and RNG; reset before each pass, restored at the end."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = list(model.parameters())
-        self.grads = [p.grad for p in self.params]
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
-    def reset(self) -> None:
-        for p in self.params:
-            p.grad = None
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def restore(self) -> None:
-        self.reset()
-        for p, g in zip(self.params, self.grads):
-            p.grad = g
 
 
 @contextlib.contextmanager
@@ -104,20 +87,40 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
                 del module.forward
 
 
+_BACKWARD_INSIDE = (
+    "loss_fn ran backward() itself; gradckpt runs loss_fn().backward() while profiling, so "
+    "loss_fn must only run the forward and return the loss: move .backward() (and any "
+    "optimizer step) out of it"
+)
+
+
 def _run_pass(
-    units: list[Unit], loss_fn: Callable[[], torch.Tensor], *, plain: bool
+    units: list[Unit],
+    loss_fn: Callable[[], torch.Tensor],
+    state: StepState,
+    *,
+    plain: bool,
+    device: str = "cpu",
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-    with _unit_markers(units, recorder), hooks, RecordMode(recorder):
+    with _unit_markers(units, recorder), hooks, RecordMode(recorder, device):
         recorder.active = True
-        loss = loss_fn()
+        try:
+            loss = loss_fn()
+        except RuntimeError as e:
+            if "forward-only profiling pass cannot run backward" in str(e):
+                raise ProfileError(_BACKWARD_INSIDE) from e
+            raise
+        if any(p.grad is not None for p in state.params):  # they were cleared before the pass
+            raise ProfileError(_BACKWARD_INSIDE)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ProfileError(
                 "loss_fn must run one forward and return a scalar loss tensor that requires "
                 f"grad; it returned {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
         recorder.forward = False
         if plain:
             loss.backward()
@@ -128,17 +131,18 @@ def _run_pass(
 
 
 def _time_plain_step(
-    loss_fn: Callable[[], torch.Tensor], guard: _StateGuard, repeats: int
+    loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int, device: str = "cpu"
 ) -> float:
+    clock = work_clock(device)  # the clock the op times are on: overheads are their ratio
     times = []
     for _ in range(repeats):
         guard.reset()
-        start = time.perf_counter()
+        start = clock()
         loss_fn().backward()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return low_estimate(times)
 
 
 def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]:
@@ -210,9 +214,17 @@ def profile(
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
+    ``loss_fn`` is called ``1 + 2 * repeats`` times (one forward-only pass,
+    ``repeats`` recorded steps, ``repeats`` timed steps; twice with ``fake``).
+    Everything the step touches is left as found: the model's weights, gradients
+    and buffers, the gradients of any other leaf tensor the loss reaches (a loss
+    head, a learnable prompt, an input that requires grad), the buffers of any
+    other module it calls, and torch's RNG.
+
     Args:
         model: the model (left exactly as found: weights, grads, buffers, RNG).
-        loss_fn: zero-argument callable running one forward, returning the scalar loss.
+        loss_fn: zero-argument callable running one forward, returning the scalar loss;
+            take its batch outside it (it runs several times).
         blocks: module paths or a predicate ``(path, module) -> bool`` naming the
             repeated blocks; discovered automatically when None.
         repeats: plain passes to take per-op median times from.
@@ -231,24 +243,26 @@ def profile(
     if not callable(loss_fn):
         raise TypeError("loss_fn must be a zero-argument callable returning the loss")
     units = find_units(model, find_blocks(model, blocks))
-    guard = _StateGuard(model)
+    guard = StepState(model)
     try:
         if fake:
             where = torch.device(device) if device is not None else _fake_device(model)
             _check_fake_device(where)
             with fake_model(model, where) as mode, mode:
                 guard.reset()
-                forward_only = _run_pass(units, loss_fn, plain=False)
+                forward_only = _run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
-                passes = [_run_pass(units, loss_fn, plain=True)]
+                passes = [_run_pass(units, loss_fn, guard, plain=True)]
             return _estimated(_assemble(model, units, forward_only, passes, 0.0), where)
-        guard.reset()
-        forward_only = _run_pass(units, loss_fn, plain=False)
-        passes = []
-        for _ in range(max(1, repeats)):
+        where = _device_of(model)
+        with guard.watching_modules():  # buffers of modules outside the model, too
             guard.reset()
-            passes.append(_run_pass(units, loss_fn, plain=True))
-        step_time = _time_plain_step(loss_fn, guard, max(1, repeats))
+            forward_only = _run_pass(units, loss_fn, guard, plain=False, device=where)
+            passes = []
+            for _ in range(max(1, repeats)):
+                guard.reset()
+                passes.append(_run_pass(units, loss_fn, guard, plain=True, device=where))
+            step_time = _time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
     return _assemble(model, units, forward_only, passes, step_time)
@@ -313,8 +327,14 @@ def _assemble(
     names = [op[1] for op in main.ops]
     same = [p for p in passes if [op[1] for op in p.ops] == names]
     times = _shared_times(
-        main, [statistics.median(p.ops[i][5] for p in same) for i in range(len(names))]
+        main, [low_estimate(p.ops[i][5] for p in same) for i in range(len(names))]
     )
+    device = _device_of(model)
+    if step_time > 0:  # measured, not estimated: reuse this process's first measurements
+        times = settled_times([(device, *_signature(main, op)) for op in main.ops], times)
+        step_time = settled_step_time(
+            (device, model_fingerprint(model), tuple(names), main.watcher.peak_bytes), step_time
+        )
     provisional = [
         OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
         for op in main.ops
@@ -352,6 +372,7 @@ def _assemble(
         fingerprint=model_fingerprint(model),
         device=_device_of(model),
         input_shapes=shapes,
+        engine_costs=engine_costs(_device_of(model)),  # measured once per process
     )
 
 
@@ -363,8 +384,7 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
     """
     groups: dict[tuple, list[int]] = {}
     for op in recorder.ops:
-        sizes = tuple(recorder.storages[s].nbytes for s in op[7])
-        groups.setdefault((op[1], op[2], op[6], sizes), []).append(op[0])
+        groups.setdefault(_signature(recorder, op), []).append(op[0])
     pooled = list(times)
     for members in groups.values():
         if len(members) > 1:
@@ -372,6 +392,11 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
             for i in members:
                 pooled[i] = median
     return pooled
+
+
+def _signature(recorder: StepRecorder, op: tuple) -> tuple:
+    """What makes two ops the same work: name, phase, FLOPs and output sizes."""
+    return (op[1], op[2], op[6], tuple(recorder.storages[s].nbytes for s in op[7]))
 
 
 def _device_of(model: nn.Module) -> str:

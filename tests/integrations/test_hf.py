@@ -168,7 +168,11 @@ def test_fit_matches_the_plain_run_within_budget(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the use_cache message is tested below
         plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS[name], repeats=1)
-    assert any(u.mode != "keep" for u in plan.units if u.path in ex.block_paths), plan.summary()
+    # A block is checkpointed in its own region or inside a segment (fit may keep
+    # a measured-faster candidate that uses one).
+    in_segments = {p for i in plan.items if isinstance(i, Segment) for p in i.paths}
+    checkpointed = {u.path for u in plan.units if u.mode != "keep"} | in_segments
+    assert checkpointed & set(ex.block_paths), plan.summary()
     planned = run_step(ex)
     assert torch.equal(planned.loss, plain.loss)
     assert planned.max_grad_diff(plain) <= TOL
@@ -219,7 +223,8 @@ def test_fit_turns_the_cache_off_with_one_message(hf_log):
         out.loss.backward()
     said = _gradckpt_warnings(caught)
     assert len(said) == 1 and "use_cache=False" in said[0], said
-    assert ex.model.config.use_cache is False
+    # The config keeps the user's value (save_pretrained writes it); training calls get False.
+    assert ex.model.config.use_cache is True
     assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None
     assert _checkpoint_warnings(hf_log) == []
     gradckpt.remove(ex.model)
@@ -238,7 +243,8 @@ def test_recompute_with_the_cache_on_would_grow_it():
     ex = _example("gpt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], repeats=1)
+        # Every layer recomputed, whatever the planner would prefer on this machine's timings.
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0, repeats=1, solver="every_block")
     assert ex.model.config.use_cache is True  # plan() leaves the model as found
     gradckpt.apply(ex.model, plan)
     out = ex.model(**ex.inputs)
@@ -279,7 +285,6 @@ def test_t5_decoder_reads_its_own_config_copy():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["t5"], repeats=1)
-    assert ex.model.decoder.config.use_cache is False
     assert ex.model(**ex.inputs).cache is None
     gradckpt.remove(ex.model)
 

@@ -1,0 +1,180 @@
+"""What gradckpt's own machinery costs per op, per saved tensor and per region.
+
+A checkpointed region does more than run its ops twice: its recompute runs
+under a Python dispatch mode (every op, kept or not, goes through it), a
+selective region's forward asks its policy about every op, each saved tensor
+goes through pack and unpack hooks (a holder in the forward, a refill in the
+recompute), and entering a region captures RNG and autocast state and installs
+hooks. On small ops these costs rival the ops themselves, and a planner that
+ignores them picks plans that are slower than predicted.
+
+:func:`engine_costs` measures them once per process and device on chains of
+tiny ops (where the kernels cost almost nothing), as differences between a
+plain and a checkpointed step, on :func:`~gradckpt.measure.timing.work_clock`
+(thread CPU time on the CPU: robust to other processes). The planner adds
+them to its predicted time (:mod:`gradckpt.plan.costs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from gradckpt.engine import checkpoint
+from gradckpt.measure.timing import low_estimate, work_clock
+
+__all__ = ["EngineCosts", "engine_costs", "measure_engine_costs"]
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """Seconds gradckpt's engine adds to a step, per event (all zero: not measured).
+
+    Example:
+        >>> costs = engine_costs("cpu")
+        >>> costs.recompute_op * 100  # the dispatch cost of recomputing 100 ops
+    """
+
+    region: float = 0.0  # entering and leaving a region, forward and one recompute
+    recompute_op: float = 0.0  # an op run (or replayed from the cache) in a recompute
+    policy_op: float = 0.0  # an op of a selective region's forward (the policy is asked)
+    saved_tensor: float = 0.0  # a tensor saved inside a region: pack, refill, unpack
+    device: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> EngineCosts:
+        return cls(**data) if data else cls()
+
+
+# Chains of tiny ops: long enough that per-op costs stand out of the per-step ones.
+_SHORT, _LONG = 8, 40
+_ROUNDS, _STEPS = 5, 4
+_CACHE: dict[str, EngineCosts] = {}
+
+
+def _adds(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(k):
+            x = x + 1.0  # autograd saves nothing for it
+        return x.sin()  # one saved tensor: the region has something to recompute
+
+    return chain
+
+
+def _sines(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(k):
+            x = x.sin()  # saves its input
+        return x
+
+    return chain
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from gradckpt.engine import RECOMPUTE
+
+    return RECOMPUTE
+
+
+def _steps(fn: Callable, x: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The step variants whose differences give the engine's costs for ``fn``."""
+
+    def plain() -> None:
+        fn(x).sum().backward()
+
+    def forward() -> None:  # what the recompute redoes: the forward with its graph
+        fn(x).sum()
+
+    def region() -> None:
+        checkpoint(fn, x).sum().backward()
+
+    def selective() -> None:
+        checkpoint(fn, x, policy=_recompute_all).sum().backward()
+
+    return {"plain": plain, "forward": forward, "region": region, "selective": selective}
+
+
+def _time_all(
+    cases: dict[str, Callable[[], None]], clock: Callable[[], float], sync: Callable[[], None]
+) -> dict[str, float]:
+    """Seconds per run of each case: least over rounds, cases interleaved in each round."""
+    for fn in cases.values():  # warm-up: lazy initialization, allocator
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(_ROUNDS):
+        for name, fn in cases.items():
+            sync()
+            start = clock()
+            for _ in range(_STEPS):
+                fn()
+            sync()
+            samples[name].append((clock() - start) / _STEPS)
+    return {name: low_estimate(times) for name, times in samples.items()}
+
+
+def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
+    """Measure the engine's costs on ``device`` now (about 0.1 s of CPU after the one-time start-up of dispatch modes); see :func:`engine_costs`.
+
+    Three chains are timed plain, forward only and checkpointed: ``k`` adds and
+    a sine (one saved tensor) for two ``k``, and ``k`` sines (``k`` saved
+    tensors). A checkpointed step minus the plain step minus the forward it
+    redoes is ``region + ops * recompute_op + saved * saved_tensor``; the three
+    chains give the three unknowns. A selective region with a policy that
+    recomputes everything, minus the plain region, gives ``policy_op``.
+
+    Example:
+        >>> measure_engine_costs("cpu").recompute_op
+    """
+    where = torch.device(device)
+    clock = work_clock(where)
+    module = getattr(torch, where.type, None)
+    sync: Callable[[], None] = (
+        module.synchronize if where.type not in ("cpu", "meta") and module is not None
+        else (lambda: None)
+    )  # fmt: skip
+    x = torch.ones(16, device=where, requires_grad=True)
+    short, long, sines = _adds(_SHORT), _adds(_LONG), _sines(_LONG)
+    cases = {}
+    for label, fn in (("short", short), ("long", long), ("sines", sines)):
+        for kind, step in _steps(fn, x).items():
+            if kind != "selective" or label == "long":
+                cases[f"{label}.{kind}"] = step
+    with torch.random.fork_rng(devices=[]):
+        t = _time_all(cases, clock, sync)
+    x.grad = None
+
+    def extra(label: str) -> float:
+        return t[f"{label}.region"] - t[f"{label}.plain"] - t[f"{label}.forward"]
+
+    # extra(adds k) = region + saved + (k + 1) op; extra(sines k) = region + k saved + k op.
+    per_op = max(0.0, (extra("long") - extra("short")) / (_LONG - _SHORT))
+    saved = max(
+        0.0, (extra("sines") - extra("short") - (_LONG - _SHORT - 1) * per_op) / (_LONG - 1)
+    )
+    region = max(0.0, extra("short") - saved - (_SHORT + 1) * per_op)
+    policy = max(0.0, (t["long.selective"] - t["long.region"]) / (_LONG + 1))
+    return EngineCosts(region, per_op, policy, saved, where.type)
+
+
+def engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
+    """The engine's costs on ``device``, measured on first use and kept for the process.
+
+    Every profile made in one process carries the same costs, so they never make
+    two plans of one model differ. A "meta" device costs nothing (nothing runs).
+
+    Example:
+        >>> engine_costs("cpu").region
+    """
+    kind = torch.device(device).type
+    if kind == "meta":
+        return EngineCosts(device="meta")
+    key = str(torch.device(device))
+    if key not in _CACHE:
+        _CACHE[key] = measure_engine_costs(device)
+    return _CACHE[key]

@@ -1,0 +1,35 @@
+"""Engine costs: measured once per process and device, carried by profiles, data in JSON."""
+
+from __future__ import annotations
+
+import json
+
+import gradckpt
+from gradckpt.measure.engine_costs import EngineCosts, engine_costs, measure_engine_costs
+from gradckpt.testing import make
+
+
+def test_measured_costs_are_positive_where_python_runs_per_op():
+    costs = measure_engine_costs("cpu")
+    assert costs.device == "cpu"
+    # A recompute and a selective forward run every op through a Python dispatch
+    # mode, and a region captures RNG state and installs hooks: never free.
+    assert costs.recompute_op > 0 and costs.policy_op > 0 and costs.region > 0
+    assert costs.saved_tensor >= 0
+
+
+def test_costs_are_measured_once_per_process_and_device():
+    assert engine_costs("cpu") is engine_costs("cpu")
+    assert engine_costs("meta") == EngineCosts(device="meta")  # nothing runs there
+
+
+def test_profiles_carry_the_process_costs_through_json(tmp_path):
+    ex = make("mlp", blocks=2, width=8, hidden=16, batch=2)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    assert prof.engine_costs == engine_costs("cpu")
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    assert gradckpt.Profile.load(path).engine_costs == prof.engine_costs
+    data = json.loads(path.read_text())
+    del data["engine_costs"]  # a profile saved before engine costs existed
+    assert gradckpt.Profile.from_json(data).engine_costs == EngineCosts()
