@@ -20,6 +20,7 @@ one step each, round-robin (interleaved), and reports medians.
 Usage:
     python -m benchmarks.compiled                         # full sizes, inductor
     python -m benchmarks.compiled --models gpt2 --threads 2
+    python -m benchmarks.compiled --small                 # 4 layers, d=128 (shorter)
     python -m benchmarks.compiled --quick                 # smoke test (aot_eager, tiny)
 """
 
@@ -58,6 +59,12 @@ FULL: dict[str, dict[str, Any]] = {
     "llama": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
     "unet": dict(depth=3, base=16, image=64, batch=4),
 }
+# A shorter run (about 15 min on a loaded 2-core machine): 4 layers, d=128, T=128.
+SMALL: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
+    "llama": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
+    "unet": dict(depth=3, base=8, image=32, batch=4),
+}
 QUICK: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
     "llama": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
@@ -67,6 +74,10 @@ COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3, 0.2, 0.1)
 QUICK_COMPILER_BUDGETS = (1.0, 0.0)
 QUICK_PLAN_FRACTIONS = (0.7,)
+
+
+def _sizes(args: Any) -> dict[str, dict[str, Any]]:
+    return QUICK if args.quick else SMALL if args.small else FULL
 
 
 def _example(model: str, sizes: dict[str, Any]) -> Any:
@@ -148,7 +159,7 @@ def _plans(model: str, sizes: dict, fractions: tuple, folder: Path) -> dict[str,
 
 
 def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
-    sizes = (QUICK if args.quick else FULL)[model]
+    sizes = _sizes(args)[model]
     budgets = QUICK_COMPILER_BUDGETS if args.quick else COMPILER_BUDGETS
     fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=None)
     p.add_argument("--backend", default=None, help="default inductor; aot_eager with --quick")
+    p.add_argument("--small", action="store_true", help="smaller models (SMALL), inductor")
     args = p.parse_args(argv)
     settle(args)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             verdicts[model] = _verdicts(results[model])
     info = machine_info(
         backend=args.backend, models=models, quick=args.quick, threads=args.threads,
-        sizes={m: (QUICK if args.quick else FULL)[m] for m in models},
+        sizes={m: _sizes(args)[m] for m in models}, small=args.small,
         warmup=args.warmup, repeats=args.repeats,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
