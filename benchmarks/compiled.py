@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     info["load_note"] = load_note(info)
     data = {"version": 1, "info": info, "results": results, "verdicts": verdicts}
     md = _report(data)
-    md_path, json_path = write_results(args.out, "compiled", md, data)
+    what = "compiled" if args.models is None else "compiled-" + "-".join(models)
+    md_path, json_path = write_results(args.out, what, md, data)
     png = md_path.with_suffix(".png")
     _plot(data, png)
     print(md)
