@@ -1,13 +1,18 @@
-"""HF benchmark: gradckpt.fit against transformers' own checkpointing, five models on CPU.
+"""HF benchmark: gradckpt.fit against the libraries' own checkpointing, on CPU.
 
-For GPT-2, Llama, BERT, ViT and T5 (built from configs, random weights), four
-contenders, each on its own copy of the model (same seed, weights and batch,
-``use_cache`` off as in training):
+For GPT-2, Llama, BERT, ViT and T5 (built from configs, random weights), a
+PEFT-LoRA Llama (frozen base, adapters on q/v) and two diffusers U-Nets (a
+pixel-space ``UNet2DModel`` on 512x512 images and a latent ``UNet2DConditionModel``
+on 64x64 latents, i.e. 512x512 images after an SD-style VAE), four contenders,
+each on its own copy of the model (same seed, weights and batch, ``use_cache``
+off as in training):
 
 * ``plain``: no checkpointing;
-* ``hf``: transformers' own switch, ``activation_checkpointing_enable({"use_reentrant":
-  False})`` (the 5.x name of ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-  ...)``; every layer is one checkpoint);
+* ``hf``: the library's own switch, every layer one checkpoint: transformers'
+  ``activation_checkpointing_enable({"use_reentrant": False})`` (the 5.x name of
+  ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``; for the
+  PEFT model, on its base), or diffusers' ``enable_gradient_checkpointing()``
+  (non-reentrant; every resnet and attention is one checkpoint);
 * ``gradckpt@hf``: ``gradckpt.fit`` with the budget transformers reached (its measured peak);
 * ``gradckpt@half``: ``gradckpt.fit`` with the budget halfway between that and plain.
 
@@ -21,6 +26,7 @@ Usage:
     python -m benchmarks.hf_models --repeats 5  # full run (~10 min on a loaded 2-core CPU)
     python -m benchmarks.hf_models --quick    # smoke test (< 60 s)
     python -m benchmarks.hf_models --models gpt2 t5
+    python -m benchmarks.hf_models --models llama-lora unet-512 sd-unet --tag hf-lora-unet
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from benchmarks.common import (
 from gradckpt.measure import ratio, time_interleaved
 from gradckpt.measure.timing import work_clock
 
-MODELS = ("gpt2", "llama", "bert", "vit", "t5")
+MODELS = ("gpt2", "llama", "bert", "vit", "t5", "llama-lora", "unet-512", "sd-unet")
 # Sizes for a 0.5-3 s step on one CPU thread.
 FULL: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
@@ -63,6 +69,9 @@ FULL: dict[str, dict[str, Any]] = {
     "bert": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
     "vit": dict(layers=8, hidden=384, heads=6, image=160, patch=16, batch=8),
     "t5": dict(layers=4, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+    "llama-lora": dict(layers=8, hidden=384, heads=6, seq=256, batch=4, vocab=4096),
+    "unet-512": dict(sample=512, batch=1, channels=(16, 32, 32, 64)),
+    "sd-unet": dict(sample=64, batch=2, channels=(32, 64, 128), layers_per_block=2),
 }
 QUICK: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=3, hidden=64, seq=64, batch=2),
@@ -70,11 +79,15 @@ QUICK: dict[str, dict[str, Any]] = {
     "bert": dict(layers=3, hidden=64, seq=64, batch=2),
     "vit": dict(layers=3, hidden=64, image=64, patch=8, batch=2),
     "t5": dict(layers=2, hidden=64, seq=64, batch=2),
+    "llama-lora": dict(layers=3, hidden=64, seq=64, batch=2),
+    "unet-512": dict(sample=32, batch=1, channels=(16, 32, 32)),
+    "sd-unet": dict(sample=16, batch=1, channels=(32, 64)),
 }
 CONTENDERS = ("plain", "hf", "gradckpt@hf", "gradckpt@half")
 DESCRIPTIONS = {
     "plain": "no checkpointing",
-    "hf": "transformers activation_checkpointing_enable(use_reentrant=False)",
+    "hf": "the library's own switch: transformers activation_checkpointing_enable("
+    "use_reentrant=False), diffusers enable_gradient_checkpointing()",
     "gradckpt@hf": "gradckpt.fit, budget = hf's measured peak",
     "gradckpt@half": "gradckpt.fit, budget = halfway between hf's peak and plain",
 }
@@ -106,6 +119,9 @@ class Run:
 
 
 def _hf_enable(model: torch.nn.Module) -> None:
+    if hasattr(model, "enable_gradient_checkpointing"):  # diffusers (non-reentrant)
+        model.enable_gradient_checkpointing()
+        return
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -129,7 +145,17 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
     from gradckpt.integrations.hf_zoo import hf_example
 
     def build() -> Any:
-        ex = hf_example(name, dropout=args.dropout, **sizes)
+        if name == "llama-lora":
+            from gradckpt.integrations.peft_zoo import lora_example
+
+            ex = lora_example("llama", dropout=args.dropout, lora_dropout=args.dropout, **sizes)
+        elif name in ("unet-512", "sd-unet"):
+            from gradckpt.integrations.diffusers_zoo import unet_example
+
+            kind = "unet2d" if name == "unet-512" else "unet2d_condition"
+            return unet_example(kind, dropout=args.dropout, **sizes)
+        else:
+            ex = hf_example(name, dropout=args.dropout, **sizes)
         hf.disable_cache(ex.model)  # as in training (fit would do it anyway)
         return ex
 
@@ -142,12 +168,11 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
         "gradckpt@hf": hf_run.peak_bytes,
         "gradckpt@half": (hf_run.peak_bytes + plain.peak_bytes) // 2,
     }
-    # One profile serves both budgets (same architecture, weights and batch); the
-    # planning context is what gradckpt.fit uses (no KV cache while profiling).
+    # One profile serves both budgets (same architecture, weights and batch);
+    # gradckpt.profile prepares the model as gradckpt.fit does (no KV cache).
     started = time.perf_counter()
-    with hf.planning(runs["gradckpt@hf"].example.model):
-        ex = runs["gradckpt@hf"].example
-        prof = gradckpt.profile(ex.model, ex.loss_fn)
+    ex = runs["gradckpt@hf"].example
+    prof = gradckpt.profile(ex.model, ex.loss_fn)
     profile_s = time.perf_counter() - started
     for contender, budget in budgets.items():
         run = runs[contender]
@@ -356,7 +381,7 @@ def readme_rows(all_runs: dict[str, dict[str, Run]]) -> str:
 
 def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tuple[str, dict]:
     parts = [
-        f"# HF models: gradckpt.fit vs transformers' checkpointing, CPU ({info['date']})",
+        f"# HF models: gradckpt.fit vs the libraries' own checkpointing, CPU ({info['date']})",
         "Each contender runs on its own copy of the model (same seed, weights and batch; "
         "`use_cache=False` as in training). Peaks: one untimed step under "
         "`gradckpt.measure.MemoryTracker` (params+buffers + peak live created storage), the "
@@ -444,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread by default: on 2 shared cores, two OpenMP threads of one step wait on
     # each other whenever another process runs, and steps got 3-7x slower and noisy.
     p.set_defaults(threads=1)
+    p.add_argument("--tag", default="hf", help="results file name prefix (default %(default)s)")
     args = p.parse_args(argv)
     settle(args)
     import transformers
@@ -461,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     info = machine_info(
         transformers=transformers.__version__,
+        **{
+            lib: sys.modules[lib].__version__
+            for lib in ("peft", "diffusers")
+            if lib in sys.modules
+        },
         models=", ".join(args.models),
         dropout=args.dropout,
         warmup=args.warmup,
@@ -473,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_time_s=round(wall, 1),
     )
     md, data = report(all_runs, sizes, info)
-    md_path, json_path = write_results(args.out, "hf", md, data)
+    md_path, json_path = write_results(args.out, args.tag, md, data)
     print(md)
     print(f"\nwrote {md_path} and {json_path}")
     return 0

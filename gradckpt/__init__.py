@@ -11,6 +11,7 @@ Example:
 from gradckpt import measure, plan, policies, profile
 from gradckpt.api import FrontierPoint, fit, frontier
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
+from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
 from gradckpt.engine import (
     RECOMPUTE,
     SAVE,
@@ -27,6 +28,7 @@ from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.errors import PlanFormatError
 from gradckpt.plan.explain import explain
+from gradckpt.plan.planset import PlanSet
 from gradckpt.profile import Profile
 
 __version__ = "0.1.0"
@@ -42,9 +44,12 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
+    "PlanSet",
     "PolicyContext",
     "Profile",
     "Segment",
+    "ShapeError",
+    "ShapeStats",
     "UnitChoice",
     "__version__",
     "applied_plan",
@@ -60,6 +65,7 @@ __all__ = [
     "policies",
     "profile",
     "remove",
+    "shape_stats",
     "simulate",
     "tag",
 ]

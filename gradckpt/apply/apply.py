@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -21,6 +22,7 @@ from gradckpt.apply.wrappers import (
 )
 from gradckpt.engine import dynamo
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
+from gradckpt.plan.planset import PlanSet
 from gradckpt.profile.fingerprint import model_fingerprint
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "applied_plan",
     "applied_units",
     "apply",
+    "install_guarded",
+    "install_plan",
     "on_remove",
     "prepare_for_compile",
     "remove",
@@ -76,7 +80,9 @@ def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
 
 def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     modules = dict(model.named_modules())
-    shapes = dict(plan.input_shapes)
+    # [shapes #9] A shape guard checks every call; the units' first-call check would
+    # only repeat it (and misfire on a shape run under a larger shape's plan).
+    shapes = dict(plan.input_shapes) if shape_guard.guard_of(model) is None else {}
     specs: dict[str, UnitSpec] = {}
 
     def visit(items: tuple, enclosing: list[SegmentSpec]) -> None:
@@ -108,7 +114,7 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     return specs
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
+def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error") -> nn.Module:
     """Install ``plan`` on ``model`` in place and return the model.
 
     Idempotent: applying the same plan twice changes nothing; applying another
@@ -116,17 +122,57 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     (structure fingerprint), or with a segment over FSDP-sharded units, before
     touching anything. Apply before ``torch.compile`` and ``fully_shard``/DDP.
 
+    A :class:`~gradckpt.PlanSet` (plans per input shape) installs a shape guard:
+    every call switches to the plan of its shape; a shape the set lacks raises
+    (``on_new_shape="error"``) or runs the current plan with one warning
+    (``"warn"``). To plan new shapes as they come, use ``gradckpt.fit``.
+
     Example:
         >>> plan = gradckpt.Plan.load("plan.json")
         >>> gradckpt.apply(model, plan)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply needs a torch.nn.Module to apply to, got {type(model).__name__}")
+    if isinstance(plan, PlanSet):
+        return _apply_set(model, plan, on_new_shape)
     if not isinstance(plan, Plan):
         raise TypeError(
             f"apply needs a gradckpt.Plan, got {type(plan).__name__} (read a saved plan with "
             "gradckpt.Plan.load(path))"
         )
+    _check_plan(model, plan)
+    shape_guard.forget(model)  # [shapes #9] a plan applied by hand ends any shape guard
+    return install_plan(model, plan)
+
+
+def _apply_set(model: nn.Module, plans: PlanSet, on_new_shape: str) -> nn.Module:
+    if on_new_shape == "replan":
+        raise ValueError(
+            'apply cannot plan new shapes (it has no loss function); use on_new_shape="warn" '
+            'or "error", or gradckpt.fit(model, loss_fn, budget, shapes=[...]) to re-plan'
+        )
+    for _, each in plans:
+        _check_plan(model, each)
+    first_key, first = plans.entries[0]
+    guard = shape_guard.ShapeGuard(
+        on_new_shape, plans.plans, first_key, lambda p: install_plan(model, p)
+    )
+    return install_guarded(model, first, guard)
+
+
+def install_guarded(model: nn.Module, plan: Plan, guard: shape_guard.ShapeGuard) -> nn.Module:
+    """Install ``plan`` with ``guard`` checking every call (``fit``, plan sets)."""
+    _check_plan(model, plan)
+    _uninstall(model)  # the root wrapper must be (re)made with the guard in place
+    shape_guard.install(model, guard)
+    try:
+        return install_plan(model, plan)
+    except BaseException:
+        shape_guard.forget(model)
+        raise
+
+
+def _check_plan(model: nn.Module, plan: Plan) -> None:
     _refuse_segments_under_fsdp(model, plan)
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.fingerprint:
@@ -135,6 +181,11 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"has {fingerprint}: different modules, parameter shapes or dtypes). Plan this "
             "model with gradckpt.plan(model, loss_fn, budget)."
         )
+
+
+def install_plan(model: nn.Module, plan: Plan) -> nn.Module:
+    """``apply`` without ending a shape guard: how the guard switches plans."""
+    _check_plan(model, plan)
     current = _installed(model)
     undo: list[Callable[[], None]] = []
     if current is not None:
@@ -142,7 +193,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             return model
         undo = current.undo  # settings made for the plan (use_cache) stay for the next one
         current.undo = []
-        remove(model)
+        _uninstall(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
     installed = _Installed(plan, [], specs, undo=undo)
     try:
@@ -152,7 +203,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             installed.installed.append(make_wrapper(spec, specs))
             module.forward = installed.installed[-1]
-        if any(isinstance(item, Segment) for item in plan.items):
+        # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
+        if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
             guard = make_root_guard(model.forward)
@@ -249,6 +301,12 @@ def remove(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"remove needs the torch.nn.Module a plan was applied to, got "
                         f"{type(model).__name__}")  # fmt: skip
+    shape_guard.forget(model)
+    return _uninstall(model)
+
+
+def _uninstall(model: nn.Module) -> nn.Module:
+    """``remove`` without ending a shape guard."""
     installed = _installed(model)
     if installed is not None:
         del model.__dict__[_STATE]

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.segment import SegmentFrame, open_segment, run_segment_start
 from gradckpt.apply.specs import (
     PlanPolicy,
@@ -185,7 +186,8 @@ class RootGuard:
     escapes between two of them (outside every unit wrapper), its hooks would
     stay installed. The guard closes whatever segments the call left open.
     An object holding the model's bound forward, so copies of the model call
-    their own forward.
+    their own forward. Every call is first checked by the model's shape guard,
+    if it has one (:mod:`gradckpt.apply.guard`).
     """
 
     def __init__(self, forward: Callable[..., Any]) -> None:
@@ -212,6 +214,9 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
+        switched = shape_guard.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        if switched is not None and switched is not self:
+            return switched(*args, **kwargs)  # the new plan's root runs this call
         depth = _stack_depth()
         roots = _running_roots()
         roots.append(self)

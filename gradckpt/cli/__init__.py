@@ -38,6 +38,18 @@ def _budget(text: str):
     return budget_arg(text)
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n <= 0 for n in lengths):
+        raise argparse.ArgumentTypeError(
+            f"expected positive sequence lengths separated by commas (e.g. 128,256,512), got {text!r}"
+        )
+    return lengths
+
+
 def _common(p: argparse.ArgumentParser, threads: int | None = None, why: str = "") -> None:
     default = f"{threads}{why}" if threads else "torch's own choice"
     p.add_argument(
@@ -119,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="plan.json", help="where to write the plan (default: plan.json)"
     )
     plan.add_argument("--plot", default=None, help="also write the frontier as this PNG")
+    plan.add_argument(
+        "--shapes", type=_lengths, default=None, metavar="N,N,...",
+        help="also plan these sequence lengths (dimension 1 of the target's inputs) under the "
+        "same budget in bytes, planned under fake tensors; --out then holds a plan set "
+        "(gradckpt.PlanSet.load, gradckpt.apply)",
+    )  # fmt: skip
     plan.add_argument(
         "--solver", default="dp",
         choices=["dp", "none", "every_block", "every_kth", "sqrt", "save_matmuls"],

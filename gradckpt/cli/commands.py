@@ -36,6 +36,13 @@ APPLY_HINT = (
 )
 
 
+APPLY_SET_HINT = (
+    "Apply it in your own training script; each call switches to its shape's plan:\n"
+    "    plans = gradckpt.PlanSet.load({path!r})\n"
+    "    gradckpt.apply(model, plans)   # a shape not in the set raises gradckpt.ShapeError"
+)
+
+
 def _blocks(args: argparse.Namespace) -> list[str] | None:
     if not getattr(args, "blocks", None):
         return None
@@ -65,7 +72,8 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
     explanation = explain(prof, plan=plan)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    plan.save(path)
+    plans = _plan_set(args, target, prof, plan)
+    (plans if plans is not None else plan).save(path)
     plotted = None
     if args.plot:
         import gradckpt
@@ -85,6 +93,7 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
             "predicted_overhead": plan.predicted_overhead,
             "units": explanation.to_json()["units"], "peak": explanation.to_json()["peak"],
             "plan": plan.to_json(), "plan_path": str(path), "plot_path": plotted,
+            "plan_set": plans.to_json() if plans is not None else None,
         })  # fmt: skip
         return 0
     target_header(out, target, prof, fake=args.fake)
@@ -98,10 +107,33 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
     out.print(explanation.peak.describe())
     for hint in explanation.hints():
         out.print(f"note: {hint}")
+    if plans is not None:
+        out.print()
+        out.print(f"plan set ({len(plans)} shapes, the rest planned from the model call alone):")
+        for line in plans.summary().splitlines():
+            out.print(f"  {line}")
     out.print()
     out.print(f"wrote {path}" + (f" and {plotted}" if plotted else ""))
-    out.print(APPLY_HINT.format(path=str(path)))
+    out.print((APPLY_SET_HINT if plans is not None else APPLY_HINT).format(path=str(path)))
     return 0
+
+
+def _plan_set(args: argparse.Namespace, target, prof, plan):
+    """With --shapes: the plan set over the target's shape and those lengths (else None)."""
+    if not getattr(args, "shapes", None):
+        return None
+    import gradckpt
+    from gradckpt.plan.budget import BudgetError
+
+    try:
+        return gradckpt.plan(
+            target.model, target.loss_fn, plan.budget_bytes, shapes=args.shapes, profile=prof,
+            solver=args.solver, blocks=_blocks(args),
+        )  # fmt: skip
+    except BudgetError as e:
+        raise CliError(f"--shapes: {str(e).splitlines()[0]}") from e
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--shapes: {e}") from e
 
 
 # --------------------------------------------------------------------------- explain

@@ -17,7 +17,13 @@ from contextlib import AbstractContextManager
 
 from torch import nn
 
+from gradckpt.integrations import diffusers_unet
+from gradckpt.profile.units import register_block_finder
+
 __all__ = ["preparing", "training"]
+
+# Block finders for libraries whose blocks the generic rules miss (none imports its library).
+register_block_finder(diffusers_unet.unet_blocks)
 
 
 def preparing(model: nn.Module, *, fake: bool = False) -> AbstractContextManager[None]:

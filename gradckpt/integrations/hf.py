@@ -478,3 +478,11 @@ def _setter(model: nn.Module) -> Callable[..., None]:
             "which cannot take another checkpoint function"
         )
     return setter
+
+
+def __getattr__(name: str) -> Any:  # BudgetCallback imports transformers: load it on first use
+    if name == "BudgetCallback":
+        from gradckpt.integrations.hf_trainer import BudgetCallback
+
+        return BudgetCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,7 +94,9 @@ def check_plan_fields(data: Any, source: str | None = None) -> None:
         isinstance(spread, (list, tuple)) and len(spread) == 2
         and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in spread)
     ):  # fmt: skip
-        raise _fail(source, "measured_overhead_range", f"must be [low, high] or null, got {spread!r}")
+        raise _fail(
+            source, "measured_overhead_range", f"must be [low, high] or null, got {spread!r}"
+        )
     if not isinstance(data.get("solver", ""), str):
         raise _fail(source, "solver", "must be a string")
     for key, second in (("input_shapes", "a shape (list of ints)"), ("not_planned", "an int")):

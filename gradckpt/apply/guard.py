@@ -1,0 +1,319 @@
+"""The shape guard: every call of a guarded model is checked against its plan's shape.
+
+A plan's predicted peak holds for the shape it was made at. The guard runs at
+the top of the model's root wrapper (before any op of the call) and compares
+the call's :class:`~gradckpt.plan.planset.ShapeKey` with the active plan's:
+
+* same key: nothing to do (one tuple comparison after building the key);
+* a key with a cached plan: switch to it (re-install the wrappers, no planning);
+* a new key, by the guard's policy:
+
+  - ``"replan"``: plan for it now (the planner given by ``gradckpt.fit`` profiles
+    the call under fake tensors) under the same budget, cache and switch; if no
+    plan fits, raise :class:`~gradckpt.BudgetError` before anything runs, with
+    the old plan still installed;
+  - ``"warn"``: keep the old plan and warn once per key, naming the budget and
+    the old plan's predicted peak at the new shape;
+  - ``"error"``: raise before running.
+
+With ``round_up`` a key bounded in every dimension by a planned key runs under
+the smallest such plan (only for models whose peak is monotone in shape; see
+:func:`gradckpt.plan.planset.proves_monotone`). Calls without grad (eval) are not
+guarded: nothing is kept for backward, so the plan does not matter.
+
+The guard only decides; planning and predicting are given to it as callables
+(``gradckpt.fit`` builds them from the upper layers), and the switch is apply's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from gradckpt.measure.memory import format_bytes
+from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.plan import Plan
+from gradckpt.plan.planset import ShapeKey, shape_key
+
+__all__ = [
+    "POLICIES",
+    "ShapeError",
+    "ShapeGuard",
+    "ShapeStats",
+    "check",
+    "forget",
+    "guard_of",
+    "guards",
+    "install",
+    "paused",
+    "shape_stats",
+]
+
+POLICIES = ("replan", "warn", "error")
+
+Planner = Callable[[tuple, dict], Plan]  # (args, kwargs) of a call -> a plan for its shape
+Predictor = Callable[[Plan, tuple, dict], int]  # a plan's predicted peak at a call's shape
+
+
+class ShapeError(ValueError):
+    """A guarded model was called with a shape it has no plan for (policy ``"error"``)."""
+
+
+@dataclass(frozen=True)
+class ShapeStats:
+    """What the guard did so far: calls seen, plans held, plans made at runtime, switches.
+
+    Example:
+        >>> print(gradckpt.shape_stats(model).summary())
+    """
+
+    calls: int
+    plans: int
+    replans: int
+    replan_seconds: tuple[float, ...]
+    switches: int
+    warnings: int
+    policy: str
+    active: str
+    rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
+
+    @property
+    def replan_seconds_total(self) -> float:
+        return sum(self.replan_seconds)
+
+    def summary(self) -> str:
+        """One line, e.g. for a training log."""
+        most = max(self.replan_seconds, default=0.0)
+        return (
+            f"gradckpt shapes: {self.plans} plan(s), {self.replans} planned during training "
+            f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s; {self.rescaled} by "
+            f"rescaling), {self.switches} "
+            f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s); "
+            f"policy {self.policy}; active shape {self.active}"
+        )
+
+
+@dataclass(eq=False)
+class ShapeGuard:
+    """Per-model guard state: plans by shape, the active shape, policy and counters."""
+
+    policy: str
+    plans: dict[ShapeKey | None, Plan]
+    active: ShapeKey | None
+    switch: Callable[[Plan], None]
+    planner: Planner | None = None
+    predictor: Predictor | None = None
+    round_up: bool = False
+    rescaled: Callable[[], int] | None = None  # how many plans the planner made by rescaling
+    calls: int = 0
+    replans: list[float] = field(default_factory=list)
+    switches: int = 0
+    warned: set[ShapeKey] = field(default_factory=set)
+    _busy: threading.local = field(default_factory=threading.local)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"on_new_shape must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy == "replan" and self.planner is None:
+            raise ValueError(
+                'on_new_shape="replan" needs a planner: use gradckpt.fit(model, loss_fn, budget) '
+                'to get one, or apply a plan set with on_new_shape="warn" or "error"'
+            )
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return next(iter(self.plans.values())).budget_bytes
+
+    def stats(self) -> ShapeStats:
+        return ShapeStats(
+            calls=self.calls,
+            plans=len(self.plans),
+            replans=len(self.replans),
+            replan_seconds=tuple(self.replans),
+            switches=self.switches,
+            warnings=len(self.warned),
+            policy=self.policy,
+            active=self.active.describe() if self.active is not None else "(not recorded)",
+            rescaled=self.rescaled() if self.rescaled is not None else 0,
+        )
+
+    def on_call(self, args: tuple, kwargs: dict) -> None:
+        """Check one call before it runs; switch, plan, warn or raise as the policy says."""
+        if getattr(self._busy, "redispatched", False):
+            self._busy.redispatched = False  # this call was checked by the root it left
+            return
+        if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
+            return  # eval, or our own profiling call of the model
+        self.calls += 1
+        key = shape_key(args, kwargs)
+        if key == self.active:
+            return
+        known = self.plans.get(key)
+        if known is not None:
+            self._switch(key, known)
+            return
+        if self.round_up:
+            bound = _bounding(self.plans, key)
+            if bound is not None:
+                if bound[0] != self.active:
+                    self._switch(bound[0], bound[1])
+                return
+        if self.active is None:
+            return  # a plan whose shape was never recorded: nothing to compare with
+        if self.policy == "error":
+            raise ShapeError(
+                f"gradckpt: the model was called with inputs {key.describe()}, but it has plans "
+                f"only for {self._known()}; plan this shape too (gradckpt.fit(..., "
+                "shapes=[...])), or fit with on_new_shape='replan' or 'warn'"
+            )
+        if self.policy == "warn":
+            self._warn(key, args, kwargs)
+            return
+        self._replan(key, args, kwargs)
+
+    def _known(self) -> str:
+        return "; ".join(k.describe() for k in self.plans if k is not None) or "(none recorded)"
+
+    def _switch(self, key: ShapeKey, plan: Plan) -> None:
+        self.switch(plan)
+        self.active = key
+        self.switches += 1
+
+    def _busy_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # Planning is not part of the caller's step: dispatch modes around the
+        # call (a MemoryTracker, a FLOP counter) must not see the fake profile.
+        before = getattr(self._busy, "on", False)
+        self._busy.on = True
+        try:
+            with _disable_current_modes():
+                return fn(*args)
+        finally:
+            self._busy.on = before
+
+    def _warn(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        plan = self.plans[self.active]
+        peak = (
+            format_bytes(self._busy_call(self.predictor, plan, args, kwargs))
+            if self.predictor is not None
+            else "unknown (no planner: apply a plan set made by gradckpt.plan(..., shapes=))"
+        )
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        warnings.warn(
+            f"gradckpt: the model was called with inputs {key.describe()}, but its plan was made "
+            f"for {self.active.describe() if self.active else '?'}; running the old plan "
+            f"(on_new_shape='warn'): its predicted peak at this shape is {peak} against the "
+            f"budget of {budget}. Use on_new_shape='replan' to hold the budget.",
+            stacklevel=4,
+        )
+
+    def _replan(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
+        assert self.planner is not None
+        start = time.perf_counter()
+        try:
+            plan = self._busy_call(self.planner, args, kwargs)
+        except BudgetError as exc:
+            raise BudgetError(
+                f"gradckpt: no plan fits the budget at the new input shape {key.describe()} "
+                f"(nothing ran; the model keeps its plan for {self.active.describe() if self.active else '?'}"
+                f"). {exc}",
+                exc.least_peak_bytes,
+            ) from exc
+        finally:
+            self.replans.append(time.perf_counter() - start)
+        self.plans[key] = plan
+        self._switch(key, plan)
+
+
+def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
+    """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
+    found = [(k, p) for k, p in plans.items() if k is not None and key.bounded_by(k)]
+    return min(found, key=lambda kp: kp[0].numel()) if found else None
+
+
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, ShapeGuard] = weakref.WeakKeyDictionary()
+
+
+def install(model: nn.Module, guard: ShapeGuard) -> None:
+    """Guard ``model``'s calls with ``guard`` (apply then installs the root wrapper, which checks)."""
+    _GUARDS[model] = guard
+
+
+def forget(model: nn.Module) -> None:
+    """Stop guarding ``model`` (``remove``, or a plan applied by hand)."""
+    _GUARDS.pop(model, None)
+
+
+def guard_of(model: nn.Module) -> ShapeGuard | None:
+    return _GUARDS.get(model)
+
+
+@contextlib.contextmanager
+def paused(model: nn.Module) -> Iterator[None]:
+    """No shape checks of ``model``'s calls while inside (gradckpt profiling it).
+
+    A profile runs the model's step itself; a switch or re-plan then would swap
+    the wrappers the profiler installed in the middle of its pass.
+    """
+    guard = _GUARDS.get(model)
+    if guard is None:
+        yield
+        return
+    before = getattr(guard._busy, "on", False)
+    guard._busy.on = True
+    try:
+        yield
+    finally:
+        guard._busy.on = before
+
+
+def guards(model: nn.Module) -> bool:
+    """Whether ``model`` has a shape guard (apply then installs the root wrapper)."""
+    return model in _GUARDS
+
+
+def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+    """Run the shape guard of the model ``forward`` is bound to (the root wrapper's hook).
+
+    Returns the model's new root wrapper when the guard switched plans (the
+    calling wrapper is then stale: the rest of the call must run through the new
+    one, whose units' segments open only inside their own root), else None.
+    Looked up by the model at each call, so a copy of the model (its forward
+    bound to the copy) is never guarded, or re-planned, as the original.
+    """
+    if not _GUARDS:
+        return None
+    model = getattr(forward, "__self__", None)
+    guard = _GUARDS.get(model) if isinstance(model, nn.Module) else None
+    if guard is None:
+        return None
+    switches = guard.switches
+    guard.on_call(args, kwargs)
+    if guard.switches == switches:
+        return None
+    guard._busy.redispatched = True  # the new root's check of this same call is a no-op
+    return model.__dict__.get("forward")
+
+
+def shape_stats(model: nn.Module) -> ShapeStats | None:
+    """What the shape guard of ``model`` did: plans, re-plans and their time, switches.
+
+    Example:
+        >>> gradckpt.fit(model, loss_fn, "500MiB")
+        >>> ...  # train on varying lengths
+        >>> print(gradckpt.shape_stats(model).summary())
+    """
+    guard = _GUARDS.get(model)
+    return guard.stats() if guard is not None else None
