@@ -6,8 +6,12 @@ Every benchmark follows one discipline:
   same seed (identical weights and batch), so installing one contender never
   disturbs another and nothing is installed or removed inside a timed step;
 * a step is ``grads = None; torch.manual_seed(seed); loss_fn().backward()``;
-* the peak of each contender is measured in a separate, untimed step under
-  :class:`gradckpt.measure.MemoryTracker` (live created storage + params/buffers);
+* the peak of each contender is measured in a separate, untimed step at two
+  levels: the allocator's (:class:`gradckpt.measure.AllocatorTracker`: every
+  byte the allocator handed out, kernel workspaces included, + params/buffers;
+  ``peak_bytes``, what budgets are checked against) and the tensors'
+  (:class:`gradckpt.measure.MemoryTracker`: live created storage +
+  params/buffers; ``tracker_peak_bytes``);
 * times come from :func:`gradckpt.measure.time_interleaved` (A B C A B C ...,
   median after warm-up), reported as ratios over the plain contender.
 """
@@ -31,7 +35,14 @@ import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import MemoryTracker, Timing, ratio, time_interleaved
+from gradckpt.measure import (
+    AllocatorTracker,
+    MemoryTracker,
+    Timing,
+    ratio,
+    state_bytes,
+    time_interleaved,
+)
 from gradckpt.testing import Example
 
 MiB = 1 << 20
@@ -144,18 +155,31 @@ def make_step(example: Example, seed: int = 0) -> Callable[[], torch.Tensor]:
     return step
 
 
-def measure_peak(example: Example, install: Installer, seed: int = 0) -> tuple[int, float]:
-    """Peak bytes and loss of one untimed step with ``install`` on ``example``'s model."""
+def measure_peaks(example: Example, install: Installer, seed: int = 0) -> tuple[int, int, float]:
+    """Allocator peak, tensor (tracker) peak and loss of one untimed step with ``install``.
+
+    Both peaks include the model's parameters and buffers. The allocator is
+    read on the device the model lives on (CPU: torch's profiler memory events;
+    CUDA: the caching allocator's statistics).
+    """
     undo = install(example)
     try:
         step = make_step(example, seed)
-        with MemoryTracker(example.model) as tracker:
+        device = next(example.model.parameters()).device
+        with AllocatorTracker(device) as allocator, MemoryTracker(example.model) as tracker:
             loss = step()
         for p in example.model.parameters():
             p.grad = None
-        return tracker.peak_bytes, float(loss)
+        peak = state_bytes(example.model) + allocator.peak_bytes
+        return peak, tracker.peak_bytes, float(loss)
     finally:
         undo()
+
+
+def measure_peak(example: Example, install: Installer, seed: int = 0) -> tuple[int, float]:
+    """The allocator's peak bytes (params included) and loss of one untimed step."""
+    peak, _, loss = measure_peaks(example, install, seed)
+    return peak, loss
 
 
 def measured_from_json(rows: dict[str, dict[str, Any]], baseline: str) -> dict[str, Measured]:
@@ -163,7 +187,7 @@ def measured_from_json(rows: dict[str, dict[str, Any]], baseline: str) -> dict[s
     out = {}
     for name, row in rows.items():
         times = row.get("times_s")
-        m = Measured(name, row["peak_bytes"], row["loss"])
+        m = Measured(name, row["peak_bytes"], row["loss"], row.get("tracker_peak_bytes"))
         if times:
             m.timing = Timing.from_times(times)
         out[name] = m
@@ -180,8 +204,9 @@ class Measured:
     """One contender's measured peak and step times."""
 
     name: str
-    peak_bytes: int
+    peak_bytes: int  # the allocator's (budgets are checked against it)
     loss: float
+    tracker_peak_bytes: int | None = None  # the tensors' (MemoryTracker)
     timing: Timing | None = None
     ratio: float | None = None  # median step time over the baseline's
     min_ratio: float | None = None  # fastest run over the baseline's fastest (least disturbed)
@@ -192,6 +217,7 @@ class Measured:
             "name": self.name,
             "peak_bytes": self.peak_bytes,
             "peak_mib": self.peak_bytes / MiB,
+            "tracker_peak_bytes": self.tracker_peak_bytes,
             "loss": self.loss,
             "median_s": self.timing.median if self.timing else None,
             "times_s": list(self.timing.times) if self.timing else None,
@@ -226,11 +252,12 @@ def measure_contenders(
         for name, install in contenders.items():
             example = build()
             examples[name] = example
-            peak, loss = measure_peak(example, install, seed)
-            results[name] = Measured(name, peak, loss)
+            peak, tracker_peak, loss = measure_peaks(example, install, seed)
+            results[name] = Measured(name, peak, loss, tracker_peak)
             undos.append(install(example))
             steps[name] = make_step(example, seed)
-            log(f"  peak {name:<28} {peak / MiB:10.1f} MiB  loss {loss:.6f}")
+            log(f"  peak {name:<28} {peak / MiB:10.1f} MiB (tensors {tracker_peak / MiB:.1f})"
+                f"  loss {loss:.6f}")  # fmt: skip
         log(f"  timing {len(steps)} contenders interleaved: {warmup} warm-up, {repeats} rounds")
         timings = time_interleaved(steps, warmup=warmup, repeats=repeats)
         for name, timing in timings.items():

@@ -27,7 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ZOO", "Example", "bn_convnet", "dropout_mlp", "gpt", "make", "mlp", "resnet", "unet"]
+__all__ = [
+    "ZOO",
+    "Example",
+    "bn_convnet",
+    "dropout_mlp",
+    "gpt",
+    "make",
+    "mlp",
+    "resnet",
+    "resnet_conv",
+    "unet",
+]
 
 Device = torch.device | str
 
@@ -488,6 +499,37 @@ def bn_convnet(
         lambda g: _labelled(g, (batch, 3, image, image), classes),
         _classify, [f"blocks.{i}" for i in range(blocks)],
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- resnet_conv
+
+
+def resnet_conv(
+    *,
+    stages: tuple[int, ...] = (2, 2, 2, 2),
+    channels: tuple[int, ...] = (16, 32, 64, 128),
+    image: int = 128,
+    batch: int = 4,
+    classes: int = 10,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: Device = "cpu",
+) -> Example:
+    """A conv-heavy ResNet at 128x128: 8 basic blocks (16 3x3 convolutions) by default.
+
+    Convolution backward allocates large scratch buffers inside its kernel, so
+    this is the model where the allocator's peak and the tensors' peak differ most.
+    Not in ``ZOO``: a step takes about a second on a CPU, and the zoo's defaults
+    are kept fast for the tests; benchmarks build it by name from here.
+
+    >>> len(resnet_conv().block_paths)
+    8
+    """
+    ex = resnet(
+        stages=stages, channels=channels, image=image, batch=batch, classes=classes,
+        seed=seed, dtype=dtype, device=device,
+    )  # fmt: skip
+    return dataclasses.replace(ex, name="resnet_conv")
 
 
 # --------------------------------------------------------------------------- registry

@@ -22,7 +22,8 @@ import torch
 import transformers as tf
 from torch import nn
 
-from gradckpt.measure.memory import MemoryTracker
+from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.memory import MemoryTracker, state_bytes
 from gradckpt.profile.units import find_blocks
 from gradckpt.testing import Example
 
@@ -176,11 +177,17 @@ def hf_example(
 
 @dataclass(frozen=True)
 class Step:
-    """One measured training step: loss, gradients by parameter name, measured peak."""
+    """One measured training step: loss, gradients by parameter name, measured peaks.
+
+    ``peak_bytes`` is at the allocator (kernel workspaces included) plus the
+    model's parameters and buffers, the level plans are made for;
+    ``tensor_peak_bytes`` is the tensor tracker's.
+    """
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     peak_bytes: int
+    tensor_peak_bytes: int = 0
 
     def max_grad_diff(self, other: Step) -> float:
         """Largest absolute gradient difference; inf if they differ in which params got one."""
@@ -196,7 +203,9 @@ class Step:
 
 
 def run_step(example: Example, seed: int = 0) -> Step:
-    """Seed, run ``loss_fn().backward()`` under a :class:`MemoryTracker`; grads are cleared after.
+    """Seed, run ``loss_fn().backward()`` measured at the allocator and by the tensor tracker.
+
+    Gradients are cleared after.
 
     Example:
         >>> plain = run_step(ex); gradckpt.fit(ex.model, ex.loss_fn, 0.7)
@@ -206,9 +215,10 @@ def run_step(example: Example, seed: int = 0) -> Step:
     model = example.model
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with MemoryTracker(model) as tracker:
+    with AllocatorTracker() as allocator, MemoryTracker(model) as tracker:
         loss = example.loss_fn()
         loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return Step(loss.detach(), grads, tracker.peak_bytes)
+    peak = state_bytes(model) + allocator.peak_bytes
+    return Step(loss.detach(), grads, peak, tracker.peak_bytes)

@@ -1,4 +1,4 @@
-"""Layer 3: measurement — live-storage memory, FLOP and op counts, timing.
+"""Layer 3: measurement — live-storage and allocator-level memory, FLOP and op counts, timing.
 
 Example:
     >>> from gradckpt.measure import MemoryTracker
@@ -7,6 +7,7 @@ Example:
     >>> mt.peak_bytes, mt.breakdown
 """
 
+from gradckpt.measure.allocator import AllocatorTracker, MemoryEvents
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.flops import FlopCount, count_flops, count_ops
 from gradckpt.measure.memory import MemoryTracker, format_bytes, state_bytes
@@ -14,8 +15,10 @@ from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import Timing, ratio, time_fn, time_interleaved
 
 __all__ = [
+    "AllocatorTracker",
     "EngineCosts",
     "FlopCount",
+    "MemoryEvents",
     "MemoryTracker",
     "StorageWatcher",
     "Timing",

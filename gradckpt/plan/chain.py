@@ -143,6 +143,8 @@ def _own_forward_peak(
     positions = look.forward_positions
     events = []
     for op in profile.unit_ops(unit):
+        if op.workspace:  # held while the op runs, on top of its outputs
+            events += [(op.index, 2, op.workspace), (op.index, 3, -op.workspace)]
         for sid in op.outputs:
             s = profile.storages[sid]
             events.append((op.index, 1, s.nbytes))

@@ -23,7 +23,7 @@ _NUMBERS = {
 }
 _OPTIONAL_NUMBERS = ("measured_overhead",)  # null when fit did not measure
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
-          "measured_overhead_range", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
+          "measured_overhead_range", "peak_level", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
 
 
 class PlanFormatError(ValueError):
@@ -99,6 +99,9 @@ def check_plan_fields(data: Any, source: str | None = None) -> None:
         )
     if not isinstance(data.get("solver", ""), str):
         raise _fail(source, "solver", "must be a string")
+    if data.get("peak_level", "tensors") not in ("allocator", "tensors"):
+        level = data["peak_level"]
+        raise _fail(source, "peak_level", f"must be 'allocator' or 'tensors', got {level!r}")
     for key, second in (("input_shapes", "a shape (list of ints)"), ("not_planned", "an int")):
         pairs = data.get(key, [])
         if not isinstance(pairs, list):

@@ -110,14 +110,22 @@ class PeakInfo:
     phase: str  # "forward" or "backward"
     unit: str
     op: str
+    #: Bytes the op's kernel allocates beyond its outputs, when they are part of the peak.
+    workspace_bytes: int = 0
 
     def describe(self) -> str:
+        workspace = (
+            f", kernel workspace of {self.op.removeprefix('aten.')} "
+            f"{human_bytes(self.workspace_bytes)}"
+            if self.workspace_bytes
+            else ""
+        )
         return (
             f"peak {human_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
             f"({self.op.removeprefix('aten.')}): parameters and buffers "
             f"{human_bytes(self.param_bytes)}, tensors kept for backward "
             f"{human_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
-            f"activations {human_bytes(self.other_bytes)}"
+            f"activations {human_bytes(self.other_bytes)}{workspace}"
         )
 
 
@@ -157,6 +165,12 @@ class Explanation:
             out.append(
                 f"checkpointing can free at most {human_bytes(peak.kept_bytes)} at the peak "
                 "(the kept tensors alive there)"
+            )
+        if peak.workspace_bytes >= 0.1 * created:
+            out.append(
+                f"{human_bytes(peak.workspace_bytes)} of the peak is scratch memory that "
+                f"{peak.op.removeprefix('aten.')} allocates inside its kernel (measured at the "
+                "allocator); checkpointing does not shrink it, smaller inputs to that op do"
             )
         for u in self.units:
             if u.calls > 1:
@@ -441,6 +455,9 @@ def _peak(
 ) -> PeakInfo:
     where = pred.peak_position
     op = next((o for o in prof.ops if o.position >= where), prof.ops[-1])
+    workspace = pred.peak_workspace_bytes
+    if workspace:  # the op whose kernel workspace is part of the peak (maybe a recompute)
+        op = prof.ops[pred.peak_workspace_op]
     until = _kept_until(prof, regions, rows)
     kept = sum(
         prof.storages[sid].nbytes
@@ -448,9 +465,10 @@ def _peak(
         if prof.storages[sid].alloc <= where < free
     )
     created = max(0, pred.peak_bytes - prof.param_bytes)
-    kept = min(kept, created)
+    kept = min(kept, created - workspace)
     return PeakInfo(
         peak_bytes=pred.peak_bytes, param_bytes=prof.param_bytes, kept_bytes=kept,
-        other_bytes=created - kept, phase="backward" if op.backward else "forward",
+        other_bytes=created - kept - workspace, phase="backward" if op.backward else "forward",
         unit=prof.units[op.unit].path if op.unit >= 0 else OUTSIDE, op=op.name,
+        workspace_bytes=workspace,
     )  # fmt: skip

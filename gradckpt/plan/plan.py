@@ -129,6 +129,9 @@ class Plan:
     measured_overhead: float | None = None
     #: Least and greatest of that ratio over the measured rounds.
     measured_overhead_range: tuple[float, float] | None = None
+    #: Which peak the predictions (and the budget) are held at: "allocator" (what the
+    #: allocator holds, kernel workspaces included) or "tensors" (op-created storages).
+    peak_level: str = "tensors"
     version: int = field(default=PLAN_VERSION)
 
     @property

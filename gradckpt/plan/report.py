@@ -11,6 +11,11 @@ if TYPE_CHECKING:
 
 __all__ = ["plan_summary"]
 
+_LEVELS = {
+    "allocator": "the allocator (tensors and kernel workspaces, what an OOM sees)",
+    "tensors": "tensor storages only (kernel workspaces not measured)",
+}
+
 
 def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
     from gradckpt.plan.plan import Segment
@@ -36,6 +41,7 @@ def plan_summary(plan: Plan) -> str:
         f"  predicted peak {format_bytes(plan.predicted_peak_bytes)} "
         f"(plain {format_bytes(plan.baseline_peak_bytes)}), "
         f"predicted overhead {plan.predicted_overhead:+.1%}",
+        f"  peak held at: {_LEVELS.get(plan.peak_level, plan.peak_level)}",
     ]
     if plan.measured_overhead is not None:
         low, high = plan.measured_overhead_range or (plan.measured_overhead,) * 2

@@ -59,6 +59,7 @@ def finish(
             solver=solver,
             input_shapes=profile.input_shapes,
             not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
+            peak_level=profile.peak_level,
         ),
         pred,
     )

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from gradckpt.engine.modes import counts_as_op, written_args
+from gradckpt.measure.allocator import close_mark, open_mark
 from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import work_clock
 from gradckpt.profile.records import NEVER
@@ -105,6 +106,9 @@ class StepRecorder:
     forward_ops: int = 0
     position: int = 0
     active: bool = False
+    #: Per-op workspace bytes and the step's allocator peak, when the pass measured them.
+    workspaces: list[int] | None = None
+    allocator_peak: int | None = None
 
     def __post_init__(self) -> None:
         self.watcher = StorageWatcher(on_alloc=self._alloc, on_free=self._free)
@@ -254,19 +258,33 @@ class StepRecorder:
 
 
 class RecordMode(TorchDispatchMode):
-    """Feeds every counted op to a :class:`StepRecorder`, timing the kernel alone."""
+    """Feeds every counted op to a :class:`StepRecorder`, timing the kernel alone.
 
-    def __init__(self, recorder: StepRecorder, device: str = "cpu") -> None:
+    With ``mark_ops`` each op runs inside an allocator span numbered by its op
+    index (:func:`gradckpt.measure.allocator.open_mark`), so that a surrounding
+    :class:`~gradckpt.measure.MemoryEvents` tells its workspace; the span opens
+    outside the timed call.
+    """
+
+    def __init__(
+        self, recorder: StepRecorder, device: str = "cpu", *, mark_ops: bool = False
+    ) -> None:
         super().__init__()
         self.recorder = recorder
         self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
+        self.mark_ops = mark_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not counts_as_op(func):
             return func(*args, **kwargs)
-        start = self.clock()
-        out = func(*args, **kwargs)
-        elapsed = self.clock() - start
+        handle = open_mark(len(self.recorder.ops)) if self.mark_ops else None
+        try:
+            start = self.clock()
+            out = func(*args, **kwargs)
+            elapsed = self.clock() - start
+        finally:
+            if handle is not None:
+                close_mark(handle)
         self.recorder.record_op(func, args, kwargs, out, elapsed)
         return out

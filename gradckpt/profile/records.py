@@ -5,6 +5,19 @@ counted op, storage free, save, unpack and release of a saved tensor gets the
 next even number. Odd numbers fall between events (a storage freed "after op
 k" in the forward-only pass is placed just before op k+1). The simulator
 predicts a plan's memory by moving allocations and frees on this line.
+
+Two levels of memory are recorded. Storages are what ATen ops return (the
+dispatch level, what :class:`~gradckpt.measure.MemoryTracker` counts). An op's
+``workspace`` is what the allocator held *beyond* that while the op ran
+(convolution columns, library scratch space): the allocator's peak during the
+op minus its level before the op minus the op's new storages, measured with
+:class:`~gradckpt.measure.MemoryEvents`. ``measured_peak_bytes`` is the
+allocator's peak of the plain step (what an OOM sees);
+``tracker_peak_bytes`` the dispatch-level one.
+
+Fake profiles cannot run kernels, so their workspace is zero (no estimate):
+their peak is the tensor-level one. Version 1 files (before workspace) load
+with zero workspace and equal peaks.
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ from gradckpt.measure.engine_costs import EngineCosts
 
 __all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 #: Position of "not within the step" (alive at the end, never unpacked, ...).
 NEVER = 1 << 60
 
@@ -42,6 +55,8 @@ class OpRecord:
     flops: int
     outputs: tuple[int, ...]
     position: int
+    #: Bytes the allocator held beyond the op's new storages while it ran (0 if none).
+    workspace: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +143,12 @@ class Profile:
     fake: bool = False
     device: str = "cpu"
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Dispatch-level peak: parameters + the most live storage ops created.
+    tracker_peak_bytes: int = 0
+    #: What ``measured_peak_bytes`` and op workspaces come from: "allocator" (measured
+    #: at the allocator) or "tensors" (fake profile, old file, or another profiler was
+    #: running: workspace unknown, taken as zero).
+    peak_level: str = "tensors"
     #: What gradckpt's engine adds per region, recomputed op, policy op and saved tensor.
     engine_costs: EngineCosts = field(default_factory=EngineCosts)
     version: int = field(default=PROFILE_VERSION)
@@ -151,6 +172,12 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
+        if data.get("kind") == "gradckpt.Profile" and data.get("version") == 1:
+            # Version 1 had no workspace: zero for every op, one peak.
+            data = {
+                **data, "version": PROFILE_VERSION, "peak_level": "tensors",
+                "tracker_peak_bytes": data.get("measured_peak_bytes", 0),
+            }  # fmt: skip
         check_header(data, "gradckpt.Profile", PROFILE_VERSION, "profile the model again")
         return cls(
             ops=tuple(OpRecord(**{**o, "outputs": tuple(o["outputs"])}) for o in data["ops"]),
@@ -166,6 +193,8 @@ class Profile:
             fake=data["fake"],
             device=data["device"],
             input_shapes=tuple((n, tuple(s)) for n, s in data["input_shapes"]),
+            tracker_peak_bytes=data["tracker_peak_bytes"],
+            peak_level=data["peak_level"],
             engine_costs=EngineCosts.from_json(data.get("engine_costs")),
             version=data["version"],
         )

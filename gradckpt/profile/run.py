@@ -6,7 +6,9 @@ Two kinds of pass run ``loss_fn().backward()`` under a :class:`StepRecorder`:
   when each storage would die if autograd kept nothing (inside a checkpointed
   region nothing is kept);
 * ``repeats`` *plain* passes (forward and backward) that give the event line,
-  what autograd saves and releases, per-op times and the measured peak;
+  what autograd saves and releases, per-op times and the measured peak; the
+  first also runs under the allocator's memory events, which give the
+  allocator's peak and each op's kernel workspace (``gradckpt.profile.workspace``);
 
 and then ``repeats`` unrecorded steps that time the plain step. So ``loss_fn`` runs
 ``1 + 2 * repeats`` times (7 with the default ``repeats=3``; 2 under ``fake``):
@@ -44,6 +46,7 @@ from gradckpt.profile.recorder import RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
 from gradckpt.profile.state import StepState
 from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
+from gradckpt.profile.workspace import allocator_events, op_workspaces, step_device
 
 __all__ = ["ProfileError", "profile"]
 
@@ -101,10 +104,18 @@ def _run_pass(
     *,
     plain: bool,
     device: str = "cpu",
+    allocator: torch.device | None = None,
 ) -> StepRecorder:
     recorder = StepRecorder(units, keep_saved=plain)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-    with _unit_markers(units, recorder), hooks, RecordMode(recorder, device):
+    # With ``allocator``, the pass also runs under the allocator's memory events
+    # (each op in its own span): the step's allocator peak and per-op workspace.
+    with (
+        allocator_events(allocator) as events,
+        _unit_markers(units, recorder),
+        hooks,
+        RecordMode(recorder, device, mark_ops=events is not None),
+    ):
         recorder.active = True
         try:
             loss = loss_fn()
@@ -127,6 +138,9 @@ def _run_pass(
         del loss
         recorder.active = False
     recorder.watcher.close()
+    if events is not None and allocator is not None:
+        recorder.workspaces = op_workspaces(recorder, events, allocator)
+        recorder.allocator_peak = events.peak_bytes
     return recorder
 
 
@@ -259,9 +273,12 @@ def profile(
             guard.reset()
             forward_only = _run_pass(units, loss_fn, guard, plain=False, device=where)
             passes = []
-            for _ in range(max(1, repeats)):
+            for i in range(max(1, repeats)):
                 guard.reset()
-                passes.append(_run_pass(units, loss_fn, guard, plain=True, device=where))
+                measured = step_device(model) if i == 0 else None  # the allocator, once
+                passes.append(
+                    _run_pass(units, loss_fn, guard, plain=True, device=where, allocator=measured)
+                )
             step_time = _time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
@@ -335,14 +352,16 @@ def _assemble(
         step_time = settled_step_time(
             (device, model_fingerprint(model), tuple(names), main.watcher.peak_bytes), step_time
         )
+    workspaces = main.workspaces or [0] * len(main.ops)
     provisional = [
-        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8])
+        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8],
+                 workspaces[op[0]])
         for op in main.ops
-    ]
+    ]  # fmt: skip
     unit_records, renumber = _units(main, units, provisional)
     ops = tuple(
         OpRecord(o.index, o.name, o.backward, renumber.get(o.unit, -1), o.local, o.time,
-                 o.flops, o.outputs, o.position)
+                 o.flops, o.outputs, o.position, o.workspace)
         for o in provisional
     )  # fmt: skip
     storages = tuple(
@@ -368,7 +387,11 @@ def _assemble(
         end=main.position + 2,
         param_bytes=param_bytes,
         step_time=step_time,
-        measured_peak_bytes=param_bytes + main.watcher.peak_bytes,
+        # The allocator's peak when it was measured (what an OOM sees), else tensors'.
+        measured_peak_bytes=param_bytes
+        + (main.watcher.peak_bytes if main.allocator_peak is None else main.allocator_peak),
+        tracker_peak_bytes=param_bytes + main.watcher.peak_bytes,
+        peak_level="tensors" if main.allocator_peak is None else "allocator",
         fingerprint=model_fingerprint(model),
         device=_device_of(model),
         input_shapes=shapes,

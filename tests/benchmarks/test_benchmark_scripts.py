@@ -69,7 +69,8 @@ def test_frontier_quick_writes_report_and_plot(tmp_path: Path) -> None:
     assert "| contender | least | every_block | 25% | 50% | 75% | plain |" in text
     assert "| target | wanted | measured | verdict |" in text
     assert "## Planning time (profile excluded)" in text
-    assert [m["model"] for m in data["models"]] == ["gpt", "gpt_act", "unet"]
+    assert [m["model"] for m in data["models"]] == ["gpt", "gpt_act", "unet", "resnet_conv"]
+    assert "| target | wanted | measured | verdict |" in text and "allocator peak" in text
     for model in data["models"]:
         assert [b["label"] for b in model["budgets"]] == [
             "least",
@@ -82,3 +83,14 @@ def test_frontier_quick_writes_report_and_plot(tmp_path: Path) -> None:
     pngs = list(tmp_path.glob("frontier-cpu-*.png"))
     assert len(pngs) == 1 and pngs[0].stat().st_size > 0
     assert "wrote" in proc.stdout
+
+
+def test_allocator_accuracy_quick_writes_report(tmp_path: Path) -> None:
+    _run("benchmarks.allocator_accuracy", tmp_path)
+    text, data = _written(tmp_path, "allocator-accuracy")
+    assert "| target | wanted | measured | verdict |" in text
+    assert [m["model"] for m in data["models"]] == ["mlp", "unet"]
+    for model in data["models"]:
+        plans = [r["plan"] for r in model["rows"]]
+        assert plans[0] == "none" and "dp@least" in plans
+        assert all(r["allocator"] >= r["tracker"] > 0 for r in model["rows"])

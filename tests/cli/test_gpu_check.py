@@ -1,5 +1,5 @@
 """``benchmarks/gpu_check.py``: one line and exit 0 without CUDA; ``--cpu-dry-run`` runs the same
-code on CPU (MemoryTracker for the CUDA counters) and writes the report."""
+code on CPU (the CPU allocator's peak for the CUDA counters) and writes the report."""
 
 from __future__ import annotations
 
@@ -36,10 +36,14 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
     (md,) = tmp_path.glob("gpu-check-cpu-dry-run-*.md")
     text = md.read_text()
     assert "| model | budget | budget (MiB) | plan | predicted (MiB) | measured (MiB)" in text
+    assert "reserved (MiB)" in text and "prediction error: median" in text
     data = json.loads(md.with_suffix(".json").read_text())
     (check,) = data["checks"]
     labels = [r["budget_label"] for r in check["rows"]]
     assert labels[:2] == ["plain", "least"]
+    assert check["peak_level"] == "allocator"
     for row in check["rows"]:
         assert row["ok"], row
-        assert row["measured_bytes"] == row["tracker_bytes"]  # the dry run's counter is the tracker
+        # The dry run reads the CPU allocator: it sees every tensor and more; no reserved.
+        assert row["measured_bytes"] >= row["tracker_bytes"] and row["reserved_bytes"] is None
+        assert row["budget_bytes"] is None or row["measured_bytes"] <= row["budget_bytes"]

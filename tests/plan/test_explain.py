@@ -183,3 +183,22 @@ def test_human_bytes():
     assert human_bytes(0) == "0 B"
     assert human_bytes(2048) == "2.00 KiB"
     assert human_bytes(5 << 30) == "5.00 GiB"
+
+
+def test_explain_shows_kernel_workspace_where_it_sets_the_peak():
+    ex = make("unet", depth=2, base=16, image=64, batch=2)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    e = explain(prof)
+    assert e.peak.op == "aten.convolution_backward.default"
+    conv_ws = {o.workspace for o in prof.ops if o.name == e.peak.op}
+    assert e.peak.workspace_bytes in conv_ws and e.peak.workspace_bytes > 0
+    parts = e.peak.param_bytes + e.peak.kept_bytes + e.peak.other_bytes + e.peak.workspace_bytes
+    assert parts == e.peak.peak_bytes == prof.measured_peak_bytes
+    assert "kernel workspace of convolution_backward" in e.table()
+    assert e.to_json()["peak"]["workspace_bytes"] == e.peak.workspace_bytes
+
+
+def test_explain_shows_no_workspace_when_the_peak_has_none(profiled):
+    _, prof = profiled["mlp"]
+    e = explain(prof)
+    assert e.peak.workspace_bytes == 0 and "kernel workspace" not in e.table()

@@ -7,19 +7,25 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import MemoryTracker
+from gradckpt.measure import AllocatorTracker, MemoryTracker
 from gradckpt.profile import NEVER, ProfileError, find_blocks, profile
 from gradckpt.testing import make
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "unet", "bn_convnet"])
-def test_measured_peak_equals_the_tracker(name):
+def test_peaks_equal_the_tracker_and_the_allocator(name):
     ex = make(name)
     prof = profile(ex.model, ex.loss_fn, repeats=1)
     torch.manual_seed(0)
     with MemoryTracker(ex.model) as tracker:
         ex.loss_fn().backward()
-    assert prof.measured_peak_bytes == tracker.peak_bytes
+    ex.model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with AllocatorTracker() as allocator:
+        ex.loss_fn().backward()
+    assert prof.peak_level == "allocator"
+    assert prof.tracker_peak_bytes == tracker.peak_bytes
+    assert prof.measured_peak_bytes == prof.param_bytes + allocator.peak_bytes
 
 
 def test_model_state_is_bit_identical_after_profiling():
@@ -69,7 +75,8 @@ def test_profile_under_fake_tensors_matches_the_real_step():
     ex = make("gpt")
     real = profile(ex.model, ex.loss_fn, repeats=1)
     fake = profile(ex.model, ex.loss_fn, fake=True)
-    assert fake.fake and fake.measured_peak_bytes == real.measured_peak_bytes
+    assert fake.fake and fake.measured_peak_bytes == real.tracker_peak_bytes
+    assert fake.peak_level == "tensors" and all(o.workspace == 0 for o in fake.ops)
     assert [o.name for o in fake.ops] == [o.name for o in real.ops]
     assert fake.step_time > 0 and all(o.time >= 0 for o in fake.ops)
 

@@ -1,0 +1,223 @@
+"""Allocator-level peaks: checked against an independent malloc-level count.
+
+The counter is a tiny C library preloaded into a child interpreter: it wraps
+glibc's malloc family and keeps the live and peak bytes (by
+``malloc_usable_size``). torch's CPU allocator gets its memory from
+``posix_memalign``, so every tensor, kernel workspace and oneDNN scratchpad
+passes through it; so do the interpreter's and autograd's own small objects,
+which is why the two are compared within 1%, not exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradckpt.measure import AllocatorTracker, MemoryEvents, MemoryTracker
+from gradckpt.measure.allocator import close_mark, open_mark
+
+COUNTER_C = r"""
+#define _GNU_SOURCE
+#include <stddef.h>
+#include <malloc.h>
+#include <errno.h>
+extern void *__libc_malloc(size_t);
+extern void __libc_free(void *);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+static long long current_bytes = 0, peak_bytes = 0;
+static void add(long long n) {
+  long long now = __atomic_add_fetch(&current_bytes, n, __ATOMIC_RELAXED);
+  long long seen = __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED);
+  while (now > seen && !__atomic_compare_exchange_n(&peak_bytes, &seen, now, 1,
+                                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+}
+static void *note(void *p) { if (p) add((long long)malloc_usable_size(p)); return p; }
+void *malloc(size_t n) { return note(__libc_malloc(n)); }
+void free(void *p) { if (p) { add(-(long long)malloc_usable_size(p)); __libc_free(p); } }
+void *calloc(size_t a, size_t b) { return note(__libc_calloc(a, b)); }
+void *realloc(void *p, size_t n) {
+  if (p) add(-(long long)malloc_usable_size(p));
+  return note(__libc_realloc(p, n));
+}
+void *memalign(size_t a, size_t n) { return note(__libc_memalign(a, n)); }
+void *aligned_alloc(size_t a, size_t n) { return note(__libc_memalign(a, n)); }
+void *valloc(size_t n) { return note(__libc_memalign(4096, n)); }
+int posix_memalign(void **out, size_t a, size_t n) {
+  void *p = __libc_memalign(a, n);
+  if (!p) return ENOMEM;
+  *out = note(p);
+  return 0;
+}
+long long gck_current(void) { return current_bytes; }
+long long gck_peak(void) { return peak_bytes; }
+void gck_reset_peak(void) {
+  __atomic_store_n(&peak_bytes, __atomic_load_n(&current_bytes, __ATOMIC_RELAXED),
+                   __ATOMIC_RELAXED);
+}
+"""
+
+# Runs in the child: per model one warm step, then the same step under the malloc
+# counter and under AllocatorTracker (never both at once: the profiler mallocs too).
+CHILD = textwrap.dedent(
+    """
+    import ctypes, gc, json, sys
+    from gradckpt import testing
+    from gradckpt.measure import AllocatorTracker, MemoryTracker
+    lib = ctypes.CDLL(None)
+    lib.gck_peak.restype = lib.gck_current.restype = ctypes.c_longlong
+    results = {}
+    for name, sizes in json.loads(sys.argv[1]):
+        ex = testing.make(name, **sizes)
+        def clear():
+            for p in ex.model.parameters():
+                p.grad = None
+            gc.collect()
+        ex.loss_fn().backward()
+        clear()
+        base = lib.gck_current()
+        lib.gck_reset_peak()
+        ex.loss_fn().backward()
+        malloc_peak = lib.gck_peak() - base
+        clear()
+        with AllocatorTracker() as at:
+            ex.loss_fn().backward()
+        clear()
+        with MemoryTracker() as mt:
+            ex.loss_fn().backward()
+        results[name] = [malloc_peak, at.peak_bytes, mt.peak_bytes]
+    print(json.dumps(results))
+    """
+)
+
+MODELS = [
+    ("unet", {"depth": 3, "base": 32, "image": 128, "batch": 4}),  # convs: hidden workspaces
+    ("gpt", {"batch": 8}),  # attention
+    ("mlp", {"width": 1024, "batch": 256}),
+]
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not sys.platform.startswith("linux"):
+        pytest.skip("the malloc counter needs a C compiler and glibc")
+    where = tmp_path_factory.mktemp("malloc_counter")
+    (where / "counter.c").write_text(COUNTER_C)
+    lib = where / "libcounter.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(where / "counter.c")],
+                   check=True)  # fmt: skip
+    return lib
+
+
+def test_allocator_peak_matches_malloc_count(counter: Path) -> None:
+    env = {**os.environ, "LD_PRELOAD": str(counter), "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(MODELS)],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(name for name, _ in MODELS)
+    for name, (malloc_peak, allocator_peak, tracker_peak) in results.items():
+        assert malloc_peak > 1 << 20, name  # the counter did see the step
+        assert abs(allocator_peak - malloc_peak) <= 0.01 * malloc_peak, (name, results[name])
+        assert allocator_peak >= tracker_peak, name  # it sees every tensor and more
+    _, unet_allocator, unet_tracker = results["unet"]
+    assert unet_allocator > 1.05 * unet_tracker  # convolution workspaces are real memory
+
+
+def test_allocator_sees_workspace_the_tracker_cannot() -> None:
+    # Convolution backward allocates its im2col columns inside the kernel.
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(2, 8, 32, 32, requires_grad=True)
+    with AllocatorTracker() as at:
+        conv(x).sum().backward()
+    conv.zero_grad(set_to_none=True)
+    x.grad = None
+    with MemoryTracker() as mt:
+        conv(x).sum().backward()
+    assert at.peak_bytes >= mt.peak_bytes > 0
+    assert at.method == "profiler-events" and at.reserved_peak_bytes is None
+
+
+def test_peak_is_relative_to_entry_and_counts_only_new_memory() -> None:
+    held = torch.empty(1 << 20)  # allocated before: not part of the region
+    with AllocatorTracker() as at:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(2000)  # 8000 B
+        del a
+        del held  # freeing older memory does not lower the region's peak
+    assert at.peak_bytes == 12_000
+    assert at.end_bytes == 8_000
+    del b
+
+
+def test_marked_spans_give_each_ops_transient() -> None:
+    x = torch.randn(1000)
+    with MemoryEvents() as ev:
+        h = open_mark(3)
+        y = x.exp()  # one 4000 B output, nothing transient
+        close_mark(h)
+        h = open_mark(4)
+        t = torch.empty(5000)  # a 20000 B temporary freed before the span ends
+        z = y + y
+        del t
+        close_mark(h)
+    spans = ev.spans()
+    assert spans[3].peak - spans[3].before == 4000
+    assert spans[4].peak - spans[4].before == 24_000
+    assert spans[4].after - spans[4].before == 4000
+    del z
+
+
+def test_cannot_run_inside_another_profiler() -> None:
+    with (
+        torch.profiler.profile(),
+        pytest.raises(RuntimeError, match="another profiler"),
+        AllocatorTracker(),
+    ):
+        pass
+
+
+def test_unsupported_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        AllocatorTracker("meta")
+
+
+def test_profiler_noise_is_dropped_and_other_stderr_kept(capfd) -> None:
+    import sys
+
+    with AllocatorTracker():
+        torch.empty(10)
+        print("a line of the user's own", file=sys.stderr, flush=True)
+    err = capfd.readouterr().err
+    assert "a line of the user's own" in err
+    assert "USDT" not in err and "profiler_start" not in err
+
+
+def test_loose_blocks_between_spans_are_charged_to_the_next_span() -> None:
+    x = torch.randn(1000)
+    with MemoryEvents() as ev:
+        scalar = torch.empty(16)  # 64 B made outside every span, still held by the op
+        h = open_mark(0)
+        y = x.exp()  # its 4000 B output
+        close_mark(h)
+        del scalar
+        gone = torch.empty(32)  # made and freed between spans: charged to nobody
+        del gone
+        h = open_mark(1)
+        z = y.exp()
+        close_mark(h)
+    spans = ev.spans()
+    assert spans[0].loose == 64 and spans[1].loose == 0
+    del z
