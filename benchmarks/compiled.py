@@ -13,8 +13,8 @@ U-Net from ``gradckpt.testing``), contenders:
 Every contender lives in its own worker process (the compiler's config is
 process-wide and Dynamo's caches are shared by same-class models), compiled
 and warmed there; its peak is the allocator bytes one training step adds
-(``AllocatorPeak``: gradckpt.measure.AllocatorTracker when present, else
-torch's profiler memory events). Times: the coordinator asks the workers for
+(``gradckpt.measure.AllocatorTracker``: what the step's allocator adds above
+its level before the step). Times: the coordinator asks the workers for
 one step each, round-robin (interleaved), and reports medians.
 
 Usage:
@@ -97,7 +97,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
     """One contender: build, install, compile, warm, measure the peak; then step on request."""
     torch.set_num_threads(threads)
     import gradckpt
-    from gradckpt.integrations._allocator_peak import AllocatorPeak
+    from gradckpt.measure import AllocatorTracker
 
     try:
         ex = _example(model, sizes)
@@ -123,7 +123,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         step()
         ex.model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
-        with AllocatorPeak() as measured:
+        with AllocatorTracker() as measured:
             ex.loss_fn().backward()
         conn.send(dict(peak=measured.peak_bytes, method=measured.method, first_s=first, loss=loss))
         while conn.recv() == "step":
