@@ -23,6 +23,7 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
+from gradckpt.integrations.compiled import compile
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.errors import PlanFormatError
@@ -55,6 +56,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "compile",
     "explain",
     "fit",
     "frontier",

@@ -301,6 +301,7 @@ def fit(
     repeats: int = 3,
     profile: Profile | None = None,
     segments: bool = True,
+    compile: bool | dict[str, Any] = False,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
@@ -335,12 +336,18 @@ def fit(
             to ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments: as for :func:`plan`.
+        compile: True or ``torch.compile`` arguments: run the plan inside one
+            compiled graph (:func:`gradckpt.compile`; plans then have no
+            segments). A call at a new shape reinstalls the eager plan for it.
 
     Example:
         >>> plan = gradckpt.fit(model, loss_fn, budget=0.5)
         >>> plan.predicted_overhead, plan.measured_overhead
         >>> print(gradckpt.shape_stats(model).summary())
+        >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
     """
+    if compile:
+        segments = False  # the compiler checkpoints one call per region: no segments
     _check_arguments(
         model,
         loss_fn,
@@ -387,6 +394,10 @@ def fit(
                 plans[call.key] = _plan_shape(planner, call)
         guard = _guard(model, on_new_shape, plans, fitted.key, planner, round_up)
         install_guarded(model, chosen, guard)
+    if compile:
+        from gradckpt.integrations.compiled import compile as compile_planned
+
+        compile_planned(model, loss_fn, **(compile if isinstance(compile, dict) else {}))
     return chosen
 
 

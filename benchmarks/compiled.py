@@ -1,0 +1,339 @@
+"""Compiled benchmark: torch.compile's own activation_memory_budget against gradckpt's plan run by the compiler.
+
+Per model (HF GPT-2 and Llama from ``gradckpt.integrations.hf_zoo``, the
+U-Net from ``gradckpt.testing``), contenders:
+
+* ``eager``: no plan, not compiled (the reference for the ratios);
+* ``compile amb=F``: ``model.compile()`` with
+  ``torch._functorch.config.activation_memory_budget = F`` (1.0 is the
+  default), F in 1.0/0.7/0.5/0.3/0.1/0.0;
+* ``gradckpt F``: a gradckpt plan (no segments) at F of the eager peak, then
+  ``gradckpt.compile`` (the plan inside the compiled graph).
+
+Every contender lives in its own worker process (the compiler's config is
+process-wide and Dynamo's caches are shared by same-class models), compiled
+and warmed there; its peak is the allocator bytes one training step adds
+(``gradckpt.measure.AllocatorTracker``: what the step's allocator adds above
+its level before the step). Times: the coordinator asks the workers for
+one step each, round-robin (interleaved), and reports medians.
+
+Usage:
+    python -m benchmarks.compiled                         # full sizes, inductor
+    python -m benchmarks.compiled --models gpt2 --threads 2
+    python -m benchmarks.compiled --small                 # 4 layers, d=128 (shorter)
+    python -m benchmarks.compiled --quick                 # smoke test (aot_eager, tiny)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.common import (
+    MiB,
+    base_parser,
+    fmt_ratio,
+    info_block,
+    load_average,
+    load_note,
+    machine_info,
+    markdown_table,
+    mib,
+    settle,
+    write_results,
+)
+
+MODELS = ("gpt2", "llama", "unet")
+FULL: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
+    "llama": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
+    "unet": dict(depth=3, base=16, image=64, batch=4),
+}
+# A shorter run (about 15 min on a loaded 2-core machine): 4 layers, d=128, T=128.
+SMALL: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
+    "llama": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
+    "unet": dict(depth=3, base=8, image=32, batch=4),
+}
+QUICK: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
+    "llama": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
+    "unet": dict(depth=2, base=4, image=16, batch=2),
+}
+COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
+PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3, 0.2, 0.1)
+QUICK_COMPILER_BUDGETS = (1.0, 0.0)
+QUICK_PLAN_FRACTIONS = (0.7,)
+
+
+def _sizes(args: Any) -> dict[str, dict[str, Any]]:
+    return QUICK if args.quick else SMALL if args.small else FULL
+
+
+def _example(model: str, sizes: dict[str, Any]) -> Any:
+    if model == "unet":
+        from gradckpt.testing import make
+
+        return make("unet", **sizes)
+    from gradckpt.integrations.hf import disable_cache
+    from gradckpt.integrations.hf_zoo import hf_example
+
+    ex = hf_example(model, **sizes)
+    disable_cache(ex.model)  # training: no KV cache, for every contender (as gradckpt.fit does)
+    return ex
+
+
+def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> None:
+    """One contender: build, install, compile, warm, measure the peak; then step on request."""
+    torch.set_num_threads(threads)
+    import gradckpt
+    from gradckpt.measure import AllocatorTracker
+
+    try:
+        ex = _example(model, sizes)
+        if spec["kind"] == "compiler":
+            import torch._functorch.config as functorch_config
+
+            functorch_config.activation_memory_budget = spec["budget"]
+            ex.model.compile(backend=spec["backend"])
+        elif spec["kind"] == "gradckpt":
+            gradckpt.apply(ex.model, gradckpt.Plan.load(spec["plan"]))
+            gradckpt.compile(ex.model, ex.loss_fn, backend=spec["backend"])
+
+        def step() -> float:
+            ex.model.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            loss = ex.loss_fn()
+            loss.backward()
+            return float(loss)
+
+        started = time.perf_counter()
+        loss = step()
+        first = time.perf_counter() - started
+        step()
+        ex.model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with AllocatorTracker() as measured:
+            ex.loss_fn().backward()
+        conn.send(dict(peak=measured.peak_bytes, method=measured.method, first_s=first, loss=loss))
+        while conn.recv() == "step":
+            started = time.perf_counter()
+            step()
+            conn.send(time.perf_counter() - started)
+    except Exception as exc:  # reported by the coordinator, which goes on with the others
+        conn.send(dict(error=f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def _plans(model: str, sizes: dict, fractions: tuple, folder: Path) -> dict[str, str]:
+    """gradckpt plans (segments off) at each fraction of the eager peak, saved for the workers."""
+    import gradckpt
+
+    ex = _example(model, sizes)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    paths: dict[str, str] = {}
+    seen: list = []
+    for fraction in fractions:
+        try:
+            plan = gradckpt.plan(ex.model, ex.loss_fn, fraction, profile=prof, segments=False)
+        except gradckpt.BudgetError:
+            continue
+        if plan.items in seen:
+            continue
+        seen.append(plan.items)
+        path = folder / f"{model}-{fraction:g}.json"
+        plan.save(path)
+        paths[f"gradckpt {fraction:g}"] = str(path)
+    return paths
+
+
+def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
+    sizes = _sizes(args)[model]
+    budgets = QUICK_COMPILER_BUDGETS if args.quick else COMPILER_BUDGETS
+    fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
+    specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
+    for b in budgets:
+        specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
+    for label, path in _plans(model, sizes, fractions, folder).items():
+        specs[label] = dict(kind="gradckpt", plan=path, backend=args.backend)
+    ctx = mp.get_context("spawn")
+    workers: dict[str, tuple[Any, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for label, spec in specs.items():  # one at a time: compiles do not compete for the cores
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, model, sizes, spec, args.threads))
+        proc.start()
+        child.close()  # a worker that dies then reads as EOF here, not as a hang
+        try:
+            first = parent.recv()
+        except EOFError:
+            first = dict(error=f"worker exited with code {proc.join() or proc.exitcode}")
+        if "error" in first:
+            print(f"  {model} {label}: FAILED {first['error']}")
+            results[label] = dict(kind=spec["kind"], error=first["error"])
+            proc.join()
+            continue
+        results[label] = dict(kind=spec["kind"], budget=spec.get("budget"), times=[], **first)
+        workers[label] = (parent, proc)
+        print(
+            f"  {model} {label}: peak {mib(first['peak'])} MiB, first step {first['first_s']:.1f} s"
+        )
+    for round_ in range(args.warmup + args.repeats):  # interleaved: A B C A B C ...
+        for label, (conn, _) in workers.items():
+            conn.send("step")
+            seconds = conn.recv()
+            if round_ >= args.warmup:
+                results[label]["times"].append(seconds)
+    for conn, proc in workers.values():
+        conn.send("stop")
+        proc.join()
+    for row in results.values():
+        if "times" in row:
+            row["median_s"] = statistics.median(row["times"])
+    return results
+
+
+def _verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """Per compiler point: the fastest gradckpt point with a peak no higher, and win or loss."""
+    ours = [(k, r) for k, r in rows.items() if r.get("kind") == "gradckpt" and "median_s" in r]
+    out = []
+    for label, row in rows.items():
+        if row.get("kind") != "compiler" or "median_s" not in row:
+            continue
+        fitting = [(k, r) for k, r in ours if r["peak"] <= row["peak"]]
+        if not fitting:
+            out.append((label, "none with a peak this low", "loss"))
+            continue
+        best_label, best = min(fitting, key=lambda kr: kr[1]["median_s"])
+        won = best["median_s"] <= row["median_s"]
+        t = best["median_s"] / row["median_s"]
+        out.append((label, f"{best_label} (peak {mib(best['peak'])}, time x{t:.2f})",
+                    "win" if won else "loss"))  # fmt: skip
+    return out
+
+
+def _plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(data["results"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = data["results"][model]
+        eager = rows.get("eager", {})
+        for kind, style in (("compiler", "s-"), ("gradckpt", "o-"), ("eager", "k*")):
+            pts = sorted(
+                (r["peak"] / MiB, r["median_s"], k) for k, r in rows.items()
+                if r.get("kind") == kind and "median_s" in r
+            )  # fmt: skip
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=kind)
+            for x, y, k in pts:
+                ax.annotate(k.split(" ")[-1], (x, y), fontsize=7)
+        if "peak" in eager:
+            ax.axvline(eager["peak"] / MiB, color="grey", lw=0.5)
+        ax.set_title(model)
+        ax.set_xlabel("allocator peak of a step (MiB)")
+        ax.set_ylabel("median step (s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _report(data: dict[str, Any]) -> str:
+    parts = [
+        f"# Compiled: torch.compile's activation_memory_budget vs gradckpt's plan inside "
+        f"the compiled graph, CPU ({data['info']['date']})",
+        "Each point runs in its own process; peak = allocator bytes one training step adds "
+        "(forward, backward, gradients). Times: one step per contender in turn, median of "
+        f"the rounds. Ratios are over `eager` (no plan, not compiled). {data['info']['load_note']}",
+    ]
+    for model, rows in data["results"].items():
+        eager = rows.get("eager", {})
+        table = []
+        for label, r in rows.items():
+            if "error" in r:
+                table.append((f"`{label}`", "failed", "", "", "", r["error"][:80]))
+                continue
+            table.append((
+                f"`{label}`", mib(r["peak"]),
+                fmt_ratio(r["peak"] / eager["peak"]) if eager.get("peak") else "",
+                f"{r['median_s']:.3f}",
+                fmt_ratio(r["median_s"] / eager["median_s"]) if eager.get("median_s") else "",
+                f"{r['loss']:.4f}",
+            ))  # fmt: skip
+        parts += [
+            f"## {model} {data['info']['sizes'][model]}",
+            markdown_table(
+                [
+                    "contender",
+                    "peak (MiB)",
+                    "peak / eager",
+                    "median step (s)",
+                    "time / eager",
+                    "first loss",
+                ],
+                table,
+            ),
+            "At each compiler point's peak, the fastest gradckpt point with a peak no higher:",
+            markdown_table(
+                ["compiler point", "gradckpt point", "verdict"], data["verdicts"][model]
+            ),
+        ]
+    parts += ["## Setup", info_block(data["info"])]
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=None)
+    p.add_argument("--backend", default=None, help="default inductor; aot_eager with --quick")
+    p.add_argument("--small", action="store_true", help="smaller models (SMALL), inductor")
+    args = p.parse_args(argv)
+    settle(args)
+    args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
+    models = args.models or (["gpt2"] if args.quick else list(MODELS))
+    load_before = load_average()
+    started = time.perf_counter()
+    results, verdicts = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for model in models:
+            print(f"compiled benchmark: {model}, backend {args.backend}")
+            results[model] = _bench_model(model, args, Path(folder))
+            verdicts[model] = _verdicts(results[model])
+    info = machine_info(
+        backend=args.backend, models=models, quick=args.quick, threads=args.threads,
+        sizes={m: _sizes(args)[m] for m in models}, small=args.small,
+        warmup=args.warmup, repeats=args.repeats,
+        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
+        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
+        wall_time_s=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    info["load_note"] = load_note(info)
+    data = {"version": 1, "info": info, "results": results, "verdicts": verdicts}
+    md = _report(data)
+    what = "compiled" if args.models is None else "compiled-" + "-".join(models)
+    md_path, json_path = write_results(args.out, what, md, data)
+    png = md_path.with_suffix(".png")
+    _plot(data, png)
+    print(md)
+    print(f"\nwrote {md_path}, {json_path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

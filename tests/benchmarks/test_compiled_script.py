@@ -1,0 +1,36 @@
+"""Smoke test: benchmarks/compiled.py --quick runs every kind of contender and writes its report.
+
+It checks the script works (each contender measured in its own worker, table,
+verdicts, plot); it never asserts on the measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compiled_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compiled", "--quick", "--threads", "1",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (md,) = tmp_path.glob("compiled-cpu-*.md")
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert md.with_suffix(".png").stat().st_size > 0
+    rows = data["results"]["gpt2"]
+    kinds = {r["kind"] for r in rows.values()}
+    assert kinds == {"eager", "compiler", "gradckpt"}, rows
+    for label, row in rows.items():
+        assert "error" not in row, (label, row)
+        assert row["peak"] > 0 and row["median_s"] > 0
+    assert len(data["verdicts"]["gpt2"]) == sum(r["kind"] == "compiler" for r in rows.values())
+    text = md.read_text()
+    assert "| contender | peak (MiB) | peak / eager |" in text
+    assert "| compiler point | gradckpt point | verdict |" in text

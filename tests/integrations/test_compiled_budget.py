@@ -1,0 +1,95 @@
+"""fit_compiled: a byte budget held at the allocator by the compiled step (issue 13, items 2-3).
+
+Candidates (gradckpt plans run by the compiler, and the compiler's own
+activation_memory_budget) are compiled and measured at the allocator; the
+choice is the fastest that fits. Tested: never over the budget, peak
+monotone in the budget, the installed step measured again fits, and its
+gradients are the plain ones (aot_eager: same partitioner as inductor, no
+fusion, so random draws and sums match eager within 1e-5).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from gradckpt.integrations.compiled_budget import choose, fit_compiled, measure_points
+from gradckpt.measure import AllocatorTracker, state_bytes
+from gradckpt.plan.budget import BudgetError
+from gradckpt.testing import make
+
+pytest.importorskip("torch._dynamo")
+
+GPT = dict(layers=3, d_model=32, heads=2, seq=64, vocab=128, batch=4, dropout=0.1)
+OPTIONS = dict(
+    backend="aot_eager", plan_fractions=(0.8, 0.5, 0.3), compiler_budgets=(1.0, 0.5, 0.0),
+    repeats=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured():
+    torch._dynamo.reset()
+    ex = make("gpt", **GPT)
+    points = measure_points(ex.model, ex.loss_fn, **OPTIONS)
+    yield ex, points
+    torch._dynamo.reset()
+
+
+def _grads(ex, seed=1):
+    ex.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    ex.loss_fn().backward()
+    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
+    ex.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_candidates_are_measured_and_model_left_plain(measured):
+    ex, points = measured
+    labels = [p.label for p in points]
+    assert any(p.plan is not None for p in points), labels  # gradckpt plans were compiled
+    assert {p.compiler_budget for p in points if p.plan is None} == {1.0, 0.5, 0.0}
+    assert all(p.peak_bytes > 0 and p.step_time > 0 for p in points)
+    assert ex.model._compiled_call_impl is None
+    assert all("forward" not in m.__dict__ for m in ex.model.modules())
+
+
+def test_choice_never_over_budget_and_peak_monotone_in_budget(measured):
+    _, points = measured
+    peaks = sorted({p.peak_bytes for p in points})
+    budgets = sorted(
+        {*peaks, *(b + 1 for b in peaks), *((a + b) // 2 for a, b in itertools.pairwise(peaks))}
+    )
+    chosen = [choose(points, b) for b in budgets]
+    for budget, point in zip(budgets, chosen):
+        assert point.peak_bytes <= budget
+        fitting = [p for p in points if p.peak_bytes <= budget]
+        assert point.step_time == min(p.step_time for p in fitting)
+    chosen_peaks = [p.peak_bytes for p in chosen]
+    assert chosen_peaks == sorted(chosen_peaks), list(zip(budgets, chosen_peaks))
+    with pytest.raises(BudgetError, match="least measured peak"):
+        choose(points, peaks[0] - 1)
+
+
+def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured):
+    ex, points = measured
+    torch._dynamo.reset()
+    plain = make("gpt", **GPT)
+    ref = _grads(plain)
+    gradckpt_points = [p for p in points if p.plan is not None]
+    budget = min(p.peak_bytes for p in gradckpt_points)  # only the leanest fits, or less
+    fit = fit_compiled(ex.model, ex.loss_fn, budget, points=points, backend="aot_eager")
+    assert fit.chosen.peak_bytes <= budget
+    for _ in range(2):  # warm: compile forward and backward
+        _grads(ex)
+    ex.model.zero_grad(set_to_none=True)
+    with AllocatorTracker() as again:
+        ex.loss_fn().backward()
+    peak = state_bytes(ex.model) + again.peak_bytes
+    assert peak <= budget, (peak, budget, fit.chosen.label)
+    got = _grads(ex)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
