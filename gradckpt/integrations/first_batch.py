@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from gradckpt.measure.memory import MemoryTracker, format_bytes
+from gradckpt.plan.budget import parse_budget
 from gradckpt.plan.plan import Plan
 
-__all__ = ["BudgetReport", "fit_on_batch", "logger", "loss_of"]
+__all__ = ["BudgetReport", "checked_callback_options", "fit_on_batch", "logger", "loss_of"]
 
 logger = logging.getLogger("gradckpt")
 
@@ -97,6 +98,22 @@ def loss_of(output: Any) -> torch.Tensor:
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     return loss
+
+
+def checked_callback_options(
+    budget: int | float | str, loss_from: Callable[[Any], torch.Tensor] | None
+) -> Callable[[Any], torch.Tensor]:
+    """Validate a trainer callback's budget and ``loss_from`` now, not at the first step.
+
+    Returns the loss extractor to use (:func:`loss_of` when ``loss_from`` is None).
+
+    Example:
+        >>> self.loss_from = checked_callback_options("2GiB", None)
+    """
+    parse_budget(budget, 1)
+    if loss_from is not None and not callable(loss_from):
+        raise TypeError(f"loss_from must be callable, got {type(loss_from).__name__}")
+    return loss_from or loss_of
 
 
 @contextmanager

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from gradckpt.integrations.first_batch import BudgetReport, fit_on_batch, loss_of
+from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
 from gradckpt.plan.plan import Plan
 
 __all__ = ["BudgetCallback"]
@@ -73,13 +73,8 @@ class BudgetCallback(TrainerCallback):
         loss_from: Callable[[Any], torch.Tensor] | None = None,
         **plan_options: Any,
     ) -> None:
-        from gradckpt.plan.budget import parse_budget
-
-        parse_budget(budget, 1)  # a bad budget fails here, not at the first step
-        if loss_from is not None and not callable(loss_from):
-            raise TypeError(f"loss_from must be callable, got {type(loss_from).__name__}")
+        self.loss_from = checked_callback_options(budget, loss_from)
         self.budget = budget
-        self.loss_from = loss_from or loss_of
         self.plan_options = plan_options
         self.plan: Plan | None = None
         self.report: BudgetReport | None = None
@@ -92,7 +87,9 @@ class BudgetCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
         if not isinstance(model, nn.Module):
-            raise TypeError("gradckpt.BudgetCallback: the Trainer passed no model to on_train_begin")
+            raise TypeError(
+                "gradckpt.BudgetCallback: the Trainer passed no model to on_train_begin"
+            )
         if self.plan is not None or self._hook is not None:
             return  # train() called again on a planned model: the plan stays
         self._hook = model.register_forward_pre_hook(self._plan_first_call, with_kwargs=True)

@@ -34,7 +34,7 @@ try:
 except ImportError:  # the standalone package of Lightning < 2
     from pytorch_lightning import Callback
 
-from gradckpt.integrations.first_batch import BudgetReport, fit_on_batch, loss_of
+from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
 from gradckpt.plan.plan import Plan
 
 __all__ = ["BudgetCallback"]
@@ -83,13 +83,8 @@ class BudgetCallback(Callback):
         loss_from: Callable[[Any], torch.Tensor] | None = None,
         **plan_options: Any,
     ) -> None:
-        from gradckpt.plan.budget import parse_budget
-
-        parse_budget(budget, 1)  # a bad budget fails here, not at the first step
-        if loss_from is not None and not callable(loss_from):
-            raise TypeError(f"loss_from must be callable, got {type(loss_from).__name__}")
+        self.loss_from = checked_callback_options(budget, loss_from)
         self.budget = budget
-        self.loss_from = loss_from or loss_of
         self.plan_options = plan_options
         self.plan: Plan | None = None
         self.report: BudgetReport | None = None
