@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -287,52 +288,17 @@ def same_event_line(a: Profile, b: Profile) -> bool:
     """
     if (a.forward_ops, a.end, a.param_bytes) != (b.forward_ops, b.end, b.param_bytes):
         return False
-    if (len(a.ops), len(a.storages), len(a.packs), len(a.units)) != (
-        len(b.ops),
-        len(b.storages),
-        len(b.packs),
-        len(b.units),
-    ):
-        return False
-    for x, y in zip(a.ops, b.ops):
-        if (x.name, x.backward, x.unit, x.local, x.outputs, x.position) != (
-            y.name,
-            y.backward,
-            y.unit,
-            y.local,
-            y.outputs,
-            y.position,
-        ):
-            return False
-    for s, t in zip(a.storages, b.storages):
-        if (s.producer, s.alloc, s.free, s.natural_free, s.mutated) != (
-            t.producer,
-            t.alloc,
-            t.free,
-            t.natural_free,
-            t.mutated,
-        ):
-            return False
-    for p, q in zip(a.packs, b.packs):
-        if (p.storage, p.unit, p.ops_done, p.position, p.unpack, p.release) != (
-            q.storage,
-            q.unit,
-            q.ops_done,
-            q.position,
-            q.unpack,
-            q.release,
-        ):
-            return False
-    for u, v in zip(a.units, b.units):
-        if (u.path, u.first_op, u.end_op, u.chain_input, u.output, u.chained, u.calls) != (
-            v.path,
-            v.first_op,
-            v.end_op,
-            v.chain_input,
-            v.output,
-            v.chained,
-            v.calls,
-        ):
+    shape = {  # the fields of each record kind that make up the event line
+        "ops": attrgetter("name", "backward", "unit", "local", "outputs", "position"),
+        "storages": attrgetter("producer", "alloc", "free", "natural_free", "mutated"),
+        "packs": attrgetter("storage", "unit", "ops_done", "position", "unpack", "release"),
+        "units": attrgetter(
+            "path", "first_op", "end_op", "chain_input", "output", "chained", "calls"
+        ),
+    }
+    for kind, fields in shape.items():
+        xs, ys = getattr(a, kind), getattr(b, kind)
+        if len(xs) != len(ys) or any(fields(x) != fields(y) for x, y in zip(xs, ys)):
             return False
     return True
 
