@@ -17,10 +17,10 @@ from gradckpt.apply.wrappers import (
     make_opaque,
     make_root_guard,
     make_wrapper,
-    plan_policy,
     segment_error,
 )
 from gradckpt.engine import dynamo
+from gradckpt.plan.handlers import handler_for
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.planset import PlanSet
 from gradckpt.profile.fingerprint import model_fingerprint
@@ -100,13 +100,9 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
             if item.path in specs:
                 raise ValueError(f"the plan lists {item.path!r} twice")
             plain = getattr(module.forward, "__gradckpt_original__", module.forward)
-            policy = (
-                plan_policy(item.path, item.save, item.save_ops)
-                if item.mode == "selective"
-                else None
-            )
+            policy = handler_for(item.decision).policy(item.path, item.decision)
             specs[item.path] = UnitSpec(
-                item.path, module, plain, item.mode, policy, list(enclosing),
+                item.path, module, plain, item.decision, policy, list(enclosing),
                 shapes.get(item.path),
             )  # fmt: skip
 
@@ -234,7 +230,7 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
         return model
     for spec in installed.units.values():
         forward = spec.module.__dict__.get("forward")
-        opens_regions = spec.mode != "keep" or bool(spec.segments)
+        opens_regions = spec.handler.opens_region or bool(spec.segments)
         if opens_regions and isinstance(forward, UnitForward):
             make_opaque(forward)
     guard = model.__dict__.get("forward")

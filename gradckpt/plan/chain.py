@@ -1,7 +1,8 @@
 """From a profile to the dynamic program's chain of stages.
 
-Each plannable unit becomes a stage with its options (keep, recompute, and
-selective save sets drawn from the unit's own time-per-byte frontier). What
+Each plannable unit becomes a stage with its options: the decisions every
+registered kind offers for it (keep, recompute, and selective save sets drawn
+from the unit's own time-per-byte frontier; see :mod:`gradckpt.plan.kinds`). What
 each option *holds* after the forward comes straight from the profile's saved
 tensors. What it *needs* at its peaks is calibrated on the exact simulator:
 one simulated step per option index (every stage using that option) gives the
@@ -18,7 +19,9 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Selective
 from gradckpt.plan.dp import Chain, Option, Stage
+from gradckpt.plan.handlers import handler_for, handlers
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.plan.simulate import live_trace
 from gradckpt.policies import MATMUL_OPS
@@ -32,24 +35,12 @@ _GRID, _GRID_PER_STAGE = 1024, 8  # memory grid steps: at least, and per stage
 
 
 @dataclass(frozen=True)
-class StageOption:
-    """An option of a unit, in profile terms (bytes, op positions)."""
-
-    mode: str
-    save: tuple[int, ...] = ()
-    save_ops: tuple[str, ...] = ()
-
-    def choice(self, path: str) -> UnitChoice:
-        return UnitChoice(path, self.mode, self.save, self.save_ops)
-
-
-@dataclass(frozen=True)
 class ChainModel:
     """The chain, the unit behind each stage, and the memory grid it uses."""
 
     chain: Chain
     units: tuple[UnitRecord, ...]
-    options: tuple[tuple[StageOption, ...], ...]
+    options: tuple[tuple[Decision, ...], ...]  # per stage: the decision of each DP option
     unit_bytes: int
     base_bytes: int  # parameters and buffers: outside the grid
 
@@ -82,7 +73,7 @@ def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> in
 
 def candidate_sets(
     profile: Profile, unit: UnitRecord, look: _Lookup | None = None
-) -> list[StageOption]:
+) -> list[Selective]:
     """Selective save sets for a block: matmul outputs, and the cheapest bytes that
     remove 25/50/75% of its recompute time (ops by time per byte, best first)."""
     stop = _stop(profile, unit, look)
@@ -112,34 +103,19 @@ def candidate_sets(
         sets.append(tuple(sorted(chosen)))
     unique = list(dict.fromkeys(s for s in sets if s))
     ops = profile.unit_ops(unit)
-    return [StageOption("selective", s, tuple(ops[i].name for i in s)) for s in unique]
+    return [Selective(s, tuple(ops[i].name for i in s)) for s in unique]
 
 
-def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
+def _kept_bytes(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
     """Bytes the unit holds from its forward to its backward, besides its input and output."""
-    inside = range(unit.first_op, unit.end_op)
-    if option.mode == "keep":
-        sids = {
-            p.storage for p in look.packs.get(unit.index, ())
-            if p.storage >= 0 and profile.storages[p.storage].producer in inside
-        }  # fmt: skip
-    elif option.mode == "selective":
-        sids = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
-    else:
-        sids = set()
+    sids = handler_for(option).kept_storages(profile, unit, option, look)
     sids.discard(unit.output)
     return sum(profile.storages[s].nbytes for s in sids)
 
 
-def _own_forward_peak(
-    profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup
-) -> int:
+def _own_forward_peak(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
     """Peak of the unit's own storages during its forward (what it keeps is never freed)."""
-    kept: set[int] = set()
-    if option.mode == "keep":
-        kept = {p.storage for p in look.packs.get(unit.index, ())}
-    elif option.mode == "selective":
-        kept = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
+    kept = handler_for(option).kept_storages(profile, unit, option, look)
     positions = look.forward_positions
     events = []
     for op in profile.unit_ops(unit):
@@ -190,7 +166,7 @@ def _windows(profile: Profile, units: tuple[UnitRecord, ...]) -> tuple[list, lis
 
 
 def _calibration_runs(
-    units: tuple[UnitRecord, ...], options: list[list[StageOption]]
+    units: tuple[UnitRecord, ...], options: list[list[Decision]]
 ) -> list[list[int]]:
     """Option index per stage for each calibration simulation.
 
@@ -234,11 +210,12 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
         raise ValueError("the model has no unit that can be checkpointed")
     grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
     look = _lookup(profile)
-    stage_options: list[list[StageOption]] = []
+    kinds = list(handlers())
+    stage_options: list[list[Decision]] = []
     for u in units:
-        options = [StageOption("keep"), StageOption("recompute")]
-        if u.is_block:
-            options += candidate_sets(profile, u, look)
+        options = [o for kind in kinds for o in kind.stage_options(profile, u, look)]
+        # The chain model reads option 0 as the plain unit and option 1 as a full region.
+        assert options[:2] == [KEEP, RECOMPUTE], f"internal: options of {u.path}: {options[:2]}"
         stage_options.append(options)
     span = max(1, profile.measured_peak_bytes - profile.param_bytes)
     unit_bytes = max(1, math.ceil(span / grid))
@@ -264,7 +241,10 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
     bstart_background = [0] * len(units)
     for index in _calibration_runs(units, stage_options):
         plan = Plan(
-            tuple(stage_options[i][k].choice(u.path) for i, (u, k) in enumerate(zip(units, index))),
+            tuple(
+                UnitChoice(u.path, stage_options[i][k])
+                for i, (u, k) in enumerate(zip(units, index))
+            ),
             profile.fingerprint,
         )
         positions, lives, _ = live_trace(profile, plan)
@@ -289,16 +269,11 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
         opts = []
         for k, option in enumerate(stage_options[i]):
             own = _own_forward_peak(profile, u, option, look)
-            recompute = 0.0
-            if option.mode != "keep":
-                cached = {u.first_op + j for j in option.save}
-                stop = _stop(profile, u, look)
-                recompute = sum(
-                    op.time for op in profile.ops[u.first_op : stop] if op.index not in cached
-                )
+            kind = handler_for(option)
+            recompute = kind.recompute_seconds(profile, u, option, look)
             opts.append(
                 Option(
-                    name=option.mode if option.mode != "selective" else f"selective{k - 1}",
+                    name=kind.option_name(option, k),
                     kept=near(kept[i][k]),
                     fwd=fwd_need[i][k],
                     fwd_nested=own + max(0, bstart_background[i]) - later[i],

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.plan.handlers import handler_for
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.simulate import Prediction, Region, regions_of, simulate
 from gradckpt.profile.records import NEVER, Profile
@@ -314,9 +315,7 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
                 inner = f"segment {item.paths[0]}..{item.paths[-1]}"
                 visit(item.items, segment or inner)
                 continue
-            mode = item.mode
-            if mode == "selective":
-                mode = f"selective (keeps {len(item.save)} op output{'s' * (len(item.save) != 1)})"
+            mode = handler_for(item.decision).explain(item.decision)
             out[item.path] = f"in {segment}, {mode} there" if segment else mode
 
     visit(plan.items, "")

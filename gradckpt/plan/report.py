@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gradckpt.measure.memory import format_bytes
+from gradckpt.plan.handlers import handler_for
 
 if TYPE_CHECKING:
     from gradckpt.plan.plan import Item, Plan
@@ -26,11 +27,8 @@ def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
         if isinstance(item, Segment):
             out.append(f"{pad}segment {item.paths[0]} .. {item.paths[-1]} (keeps its input)")
             out.extend(_lines(item.items, depth + 1))
-        elif item.mode == "selective":
-            kept = ", ".join(n.replace("aten.", "") for n in item.save_ops)
-            out.append(f"{pad}{item.path:<28} selective  keeps: {kept}")
         else:
-            out.append(f"{pad}{item.path:<28} {item.mode}")
+            out.append(f"{pad}{item.path:<28} {handler_for(item.decision).describe(item.decision)}")
     return out
 
 

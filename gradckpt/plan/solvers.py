@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Selective
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
@@ -74,7 +75,7 @@ def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
     for node in tree:
         if node[0] == "unit":
             _, stage, option = node
-            items.append(model.options[stage][option].choice(model.units[stage].path))
+            items.append(UnitChoice(model.units[stage].path, model.options[stage][option]))
         else:
             items.append(Segment(_items(model, node[1])))
     return tuple(items)
@@ -252,7 +253,7 @@ def none_plan(profile: Profile) -> Plan:
 
 
 def every_kth_plan(profile: Profile, k: int) -> Plan:
-    return _uniform(profile, lambda u, i: UnitChoice(u.path, "recompute" if i % k == 0 else "keep"))
+    return _uniform(profile, lambda u, i: UnitChoice(u.path, RECOMPUTE if i % k == 0 else KEEP))
 
 
 def save_matmuls_plan(profile: Profile) -> Plan:
@@ -263,9 +264,9 @@ def save_matmuls_plan(profile: Profile) -> Plan:
             and not any(profile.storages[s].mutated for s in op.outputs)
         ]  # fmt: skip
         if not ops:
-            return UnitChoice(u.path, "recompute")
+            return UnitChoice(u.path, RECOMPUTE)
         return UnitChoice(
-            u.path, "selective", tuple(op.local for op in ops), tuple(op.name for op in ops)
+            u.path, Selective(tuple(op.local for op in ops), tuple(op.name for op in ops))
         )
 
     return _uniform(profile, choose)
@@ -285,7 +286,7 @@ def sqrt_plan(profile: Profile) -> Plan:
             if len(part) >= 2:
                 items.append(Segment(tuple(UnitChoice(u.path) for u in part)))
             else:
-                items.append(UnitChoice(part[0].path, "recompute"))
+                items.append(UnitChoice(part[0].path, RECOMPUTE))
 
     for u in units:
         joins = run and u.is_block and u.chained and run[-1].index == u.index - 1
