@@ -19,7 +19,7 @@ from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
 from gradckpt.plan.costs import with_engine_costs
-from gradckpt.plan.dp import ChainDP, Tree
+from gradckpt.plan.dp import ChainDP, Tree, UnitStep
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
@@ -73,11 +73,12 @@ def _plannable(profile: Profile) -> tuple[UnitRecord, ...]:
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
     items: list[Item] = []
     for node in tree:
-        if node[0] == "unit":
-            _, stage, option = node
-            items.append(UnitChoice(model.units[stage].path, model.options[stage][option]))
+        if isinstance(node, UnitStep):
+            items.append(
+                UnitChoice(model.units[node.stage].path, model.options[node.stage][node.option])
+            )
         else:
-            items.append(Segment(_items(model, node[1])))
+            items.append(Segment(_items(model, node.schedule)))
     return tuple(items)
 
 

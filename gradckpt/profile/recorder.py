@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,7 +27,25 @@ from gradckpt.measure.timing import work_clock
 from gradckpt.profile.records import NEVER
 from gradckpt.profile.units import Unit
 
-__all__ = ["StepRecorder", "UnitCall"]
+__all__ = ["RecordedOp", "StepRecorder", "UnitCall"]
+
+
+class RecordedOp(NamedTuple):
+    """One ATen op as the recorder saw it (a named tuple: made on every op, so it stays cheap).
+
+    ``elapsed`` is this pass's time of the kernel alone; the profile's op time
+    pools it over passes (see :class:`gradckpt.profile.records.OpRecord`).
+    """
+
+    index: int
+    name: str
+    backward: bool
+    unit: int  # -1: outside every unit
+    local: int  # position inside its unit's region (-1 in backward or outside)
+    elapsed: float
+    flops: int
+    outputs: tuple[int, ...]  # storage ids it created
+    position: int
 
 
 @dataclass
@@ -98,7 +116,7 @@ class StepRecorder:
     units: list[Unit]
     keep_saved: bool = True
     time_ops: bool = True
-    ops: list[tuple] = field(default_factory=list)
+    ops: list[RecordedOp] = field(default_factory=list)
     storages: list[_Storage] = field(default_factory=list)
     packs: list[_Pack] = field(default_factory=list)
     calls: list[UnitCall] = field(default_factory=list)
@@ -164,8 +182,8 @@ class StepRecorder:
         if self.forward:
             self._note_writes(func, args, kwargs, index)
         self.ops.append(
-            (index, str(func), not self.forward, unit, local, elapsed,
-             _flops(func, args, kwargs, out), tuple(self._new), position)
+            RecordedOp(index, str(func), not self.forward, unit, local, elapsed,
+                       _flops(func, args, kwargs, out), tuple(self._new), position)
         )  # fmt: skip
 
     def _note_writes(self, func: Any, args: Any, kwargs: Any, index: int) -> None:
