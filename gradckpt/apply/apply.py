@@ -84,6 +84,7 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     # only repeat it (and misfire on a shape run under a larger shape's plan).
     shapes = dict(plan.input_shapes) if shape_guard.guard_of(model) is None else {}
     specs: dict[str, UnitSpec] = {}
+    runtimes: dict[type, object] = {}  # per decision kind: its install(plan), made once
 
     def visit(items: tuple, enclosing: list[SegmentSpec]) -> None:
         for item in items:
@@ -100,10 +101,12 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
             if item.path in specs:
                 raise ValueError(f"the plan lists {item.path!r} twice")
             plain = getattr(module.forward, "__gradckpt_original__", module.forward)
-            policy = handler_for(item.decision).policy(item.path, item.decision)
+            kind = handler_for(item.decision)
+            if type(item.decision) not in runtimes:
+                runtimes[type(item.decision)] = kind.install(plan)
             specs[item.path] = UnitSpec(
-                item.path, module, plain, item.decision, policy, list(enclosing),
-                shapes.get(item.path),
+                item.path, module, plain, item.decision, kind.policy(item.path, item.decision),
+                list(enclosing), shapes.get(item.path), runtime=runtimes[type(item.decision)],
             )  # fmt: skip
 
     visit(plan.items, [])

@@ -89,6 +89,7 @@ class UnitSpec:
     segments: list[SegmentSpec] = field(default_factory=list)  # outermost first
     expected_shape: tuple[int, ...] | None = None
     compiled: Callable[..., Any] | None = None  # a torch.compile'd ``plain``, if any
+    runtime: Any = None  # what the decision's kind installed for this plan (KindHandler.install)
 
     @property
     def handler(self) -> KindHandler:

@@ -95,6 +95,16 @@ class KindHandler:
 
     # ----------------------------------------------------------------- runtime
 
+    def install(self, plan: Any) -> Any:
+        """State shared by all units of this kind while ``plan`` is applied, or None.
+
+        Called once per applied plan that has units of this kind, before the
+        model is touched; every such unit's spec gets the result as ``runtime``
+        (e.g. one transfer session for all offloaded units of a model). It lives
+        on the model, so it must copy and pickle with it.
+        """
+        return None
+
     def policy(self, path: str, decision: Decision) -> Callable[..., Any] | None:
         """The per-op policy the unit's region runs with (None: recompute every op)."""
         return None

@@ -14,6 +14,7 @@ import pytest
 
 import gradckpt
 from gradckpt import policies
+from gradckpt.apply.apply import applied_units
 from gradckpt.engine import in_region_forward
 from gradckpt.engine.decisions import Decision, decision_kind, forget_decision_kind
 from gradckpt.measure import count_flops
@@ -50,6 +51,13 @@ class SaveEverythingHandler(RecomputeHandler):
 
     def describe(self, decision):
         return "toy region (keeps every op output)"
+
+    def install(self, plan):
+        return []  # one per applied plan, shared by its toy units: the paths they ran
+
+    def run(self, unit, args, kwargs, *, in_recompute):
+        unit.runtime.append(unit.path)
+        return super().run(unit, args, kwargs, in_recompute=in_recompute)
 
 
 @pytest.fixture
@@ -165,7 +173,11 @@ def test_a_registered_kind_runs_through_apply(zoo, toy_kind):
 
     try:
         gradckpt.apply(ex.model, plan)
+        specs = applied_units(ex.model)
+        shared = specs[ex.block_paths[0]].runtime
+        assert all(specs[p].runtime is shared for p in ex.block_paths)  # installed once
         step = run_step(ex)
+        assert shared == ex.block_paths  # each toy unit ran through its handler once
         gradckpt.remove(ex.model)
         # Each block's forward ran inside a region (the recompute replays come after).
         assert seen[: len(ex.block_paths)] == [True] * len(ex.block_paths)
