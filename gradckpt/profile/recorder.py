@@ -60,7 +60,10 @@ class UnitCall:
     output: int = -1
     chained: bool = False
     input_shape: tuple[int, ...] = ()
-    seq: tuple[int, int] = (0, 0)
+    # Autograd sequence numbers of the nodes its forward made: [seq_start, seq_end),
+    # how backward ops are told to belong to the unit.
+    seq_start: int = 0
+    seq_end: int = 0
 
 
 @dataclass
@@ -204,7 +207,7 @@ class StepRecorder:
         i = bisect.bisect_right(self._seq_starts, seq) - 1
         if i >= 0:
             call = self._seq_calls[i]
-            if call.seq[0] <= seq < call.seq[1]:
+            if call.seq_start <= seq < call.seq_end:
                 return call.unit
         return -1
 
@@ -251,14 +254,14 @@ class StepRecorder:
                 call.chain_arg, call.chain_input = tensors[0][0], self.sid_of(tensors[0][1])
         if tensors:  # what apply's shape check compares: the first tensor argument
             call.input_shape = tuple(tensors[0][1].shape)
-        call.seq = (torch._C._autograd._get_sequence_nr(), 0)
+        call.seq_start = torch._C._autograd._get_sequence_nr()
         self._stack.append(call)
         return call
 
     def exit_unit(self, call: UnitCall, out: Any) -> None:
         self._stack.pop()
         call.end_op = len(self.ops)
-        call.seq = (call.seq[0], torch._C._autograd._get_sequence_nr())
+        call.seq_end = torch._C._autograd._get_sequence_nr()
         flat, _ = tree_flatten(out)
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
@@ -269,9 +272,9 @@ class StepRecorder:
             self._last_output = None
         self._last_end = call.end_op
         self.calls.append(call)
-        if call.seq[1] > call.seq[0]:
-            i = bisect.bisect_right(self._seq_starts, call.seq[0])
-            self._seq_starts.insert(i, call.seq[0])
+        if call.seq_end > call.seq_start:
+            i = bisect.bisect_right(self._seq_starts, call.seq_start)
+            self._seq_starts.insert(i, call.seq_start)
             self._seq_calls.insert(i, call)
 
 
