@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Selective
 from gradckpt.plan.dp import Chain, Option, Stage
@@ -56,13 +58,21 @@ class _Lookup:
 
     packs: dict[int, list[PackRecord]]  # unit index -> its packs
     forward_positions: list[int]  # position of each forward op
+    #: What the decision kinds read besides the profile: the chain's units in order
+    #: (a kind may cost a stage by its neighbours) and per Decision class the
+    #: settings ``build_chain`` was given for it (e.g. a link's bandwidth).
+    units: tuple[UnitRecord, ...] = ()
+    settings: Mapping[type, Any] = field(default_factory=dict)
 
 
-def _lookup(profile: Profile) -> _Lookup:
+def _lookup(
+    profile: Profile, units: tuple[UnitRecord, ...] = (), settings: Mapping[type, Any] | None = None
+) -> _Lookup:
     packs: dict[int, list[PackRecord]] = {}
     for p in profile.packs:
         packs.setdefault(p.unit, []).append(p)
-    return _Lookup(packs, [op.position for op in profile.ops[: profile.forward_ops]])
+    positions = [op.position for op in profile.ops[: profile.forward_ops]]
+    return _Lookup(packs, positions, units, dict(settings or {}))
 
 
 def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> int:
@@ -194,12 +204,18 @@ def _window_levels(positions: list[int], lives: list[int], window) -> tuple[int,
     return entering, max([entering, *lives[lo:hi]])
 
 
-def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
+def build_chain(
+    profile: Profile, grid: int | None = None, *, settings: Mapping[type, Any] | None = None
+) -> ChainModel:
     """The DP chain for ``profile`` on a memory grid of ``grid`` steps up to the plain peak.
 
     The default grid has 1024 steps, and 8 per stage on deeper models: what a stage
     keeps is rounded to the grid and summed along the chain, so a block that keeps
     one or two steps would make the model miss by a quarter on 400 blocks.
+
+    ``settings`` maps a Decision class to what its kind's handler reads while it
+    offers and costs options (``look.settings``); a kind may offer nothing unless
+    it is given settings.
 
     Example:
         >>> model = build_chain(prof)
@@ -209,7 +225,7 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
     if not units:
         raise ValueError("the model has no unit that can be checkpointed")
     grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
-    look = _lookup(profile)
+    look = _lookup(profile, units, settings)
     kinds = list(handlers())
     stage_options: list[list[Decision]] = []
     for u in units:
