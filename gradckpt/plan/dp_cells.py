@@ -100,6 +100,8 @@ class CellTables:
         """Give every reachable nested cell the id of its distinct stage sequence."""
         stages, n = self.stages, self.n
         full: dict[Stage, int] = {}
+        # Each stage hashed once: a stage's hash walks all its options.
+        stage_id = [full.setdefault(st, len(full)) for st in stages]
         head: dict[Stage, int] = {}
         keys: dict[tuple, int] = {}
         self._uid = torch.full((n, n), -1, dtype=torch.int64)
@@ -118,7 +120,7 @@ class CellTables:
                 # Nested cells lie inside a run of stages that may share a segment.
                 if b >= n - 1 or not stages[b].joins_previous:
                     break
-                key = (keys[key], full.setdefault(stages[b], len(full)))
+                key = (keys[key], stage_id[b])
         self.cells = len(keys)
         self._representatives = [cell for length in sorted(by_length) for cell in by_length[length]]
 
