@@ -30,13 +30,13 @@ import bisect
 import functools
 import itertools
 import operator
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.plan.costs import engine_seconds, plan_counts, step_costs
+from gradckpt.plan.per_profile import per_profile
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profile.records import NEVER, Profile
 
@@ -191,15 +191,8 @@ class _Shared:
     forward: list[tuple[int, int, tuple, int, tuple[int, ...]]]
 
 
-#: Per profile (by id, while it lives).
-_SHARED: dict[int, tuple[weakref.ref, _Shared]] = {}
-
-
+@per_profile
 def _shared(profile: Profile) -> _Shared:
-    key = id(profile)
-    entry = _SHARED.get(key)
-    if entry is not None and entry[0]() is profile:
-        return entry[1]
     cuda = profile.device == "cuda"
     line = _Line(cuda=cuda)
     for s in profile.storages:
@@ -223,9 +216,7 @@ def _shared(profile: Profile) -> _Shared:
          tuple(packs_of.get(s.id, ())))
         for s in profile.storages if s.producer < profile.forward_ops
     ]  # fmt: skip
-    shared = _Shared((line.events, line.workspace_of), nbytes, natural, forward)
-    _SHARED[key] = (weakref.ref(profile, lambda _, key=key: _SHARED.pop(key, None)), shared)
-    return shared
+    return _Shared((line.events, line.workspace_of), nbytes, natural, forward)
 
 
 def _at(position: int) -> tuple:
