@@ -200,8 +200,10 @@ class CellTables:
         which = torch.zeros(size, dtype=torch.int64)
         for lo in range(0, len(extra), _CHUNK):
             hi = lo + _CHUNK
-            c0, c1 = int(need[lo:hi].min()), int(stop[lo:hi].max())
-            uniform = int(need[lo:hi].max()) == c0  # then no column below a row's need
+            # A calibrated requirement may be below zero (the model holds more than the
+            # step did): such a row fits from m = 0.
+            c0, c1 = max(0, int(need[lo:hi].min())), int(stop[lo:hi].max())
+            uniform = int(need[lo:hi].max()) <= c0  # then no column below a row's need
             if c1 <= c0:
                 continue
             steps = self._steps[c0:c1]
