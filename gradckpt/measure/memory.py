@@ -10,6 +10,7 @@ recorded too, as a cross-check (``device_peak_bytes``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,16 +24,30 @@ from gradckpt.measure.storages import StorageWatcher, storage_key
 __all__ = ["MemoryTracker", "format_bytes", "state_bytes"]
 
 MiB = 1 << 20
+_BINARY_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
-def format_bytes(nbytes: int | None) -> str:
-    """``nbytes`` in MiB with two decimals ("n/a" for None).
+def format_bytes(nbytes: int | None, *, round_up: bool = False) -> str:
+    """``nbytes`` in the largest binary unit that keeps the number >= 1 ("n/a" for None).
+
+    The one byte formatter of gradckpt: messages, tables and reports all use it.
+    ``round_up=True`` rounds the two decimals up, so the text read back as a
+    budget (:func:`gradckpt.plan.budget.parse_budget`) is never below ``nbytes``.
 
     Example:
-        >>> format_bytes(3 << 20)
-        '3.00 MiB'
+        >>> format_bytes(3 << 20), format_bytes(1536), format_bytes(12)
+        ('3.00 MiB', '1.50 KiB', '12 B')
+        >>> format_bytes(4108808, round_up=True)
+        '3.92 MiB'
     """
-    return "n/a" if nbytes is None else f"{nbytes / MiB:.2f} MiB"
+    if nbytes is None:
+        return "n/a"
+    for size, name in _BINARY_UNITS:
+        if abs(nbytes) >= size:
+            if round_up:
+                return f"{math.ceil(nbytes * 100 / size) / 100:.2f} {name}"
+            return f"{nbytes / size:.2f} {name}"
+    return f"{nbytes} B"
 
 
 def _model_tensors(model: nn.Module | None) -> Iterable[torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import re
 
-__all__ = ["BudgetError", "check_budget", "parse_budget"]
+__all__ = ["BudgetError", "check_budget", "parse_budget", "read_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -43,7 +43,7 @@ def parse_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
         >>> parse_budget("1.5GiB", 0), parse_budget(0.5, 1000), parse_budget(800, 0)
         (1610612736, 500, 800)
     """
-    kind, value = _parsed(budget)
+    kind, value = read_budget(budget)
     return int(value) if kind == "bytes" else int(value * plain_peak_bytes)
 
 
@@ -55,11 +55,18 @@ def check_budget(budget: object) -> None:
     Example:
         >>> check_budget("50%")
     """
-    _parsed(budget)
+    read_budget(budget)
 
 
-def _parsed(budget: object) -> tuple[str, float]:
-    """("bytes", n) or ("fraction", f): what the user meant, or a ValueError in their words."""
+def read_budget(budget: object) -> tuple[str, float]:
+    """("bytes", n) or ("fraction", f): what the user meant, or a ValueError in their words.
+
+    The one budget parser: the API, the CLI and the integrations all read budgets here.
+
+    Example:
+        >>> read_budget("50%"), read_budget("1KiB")
+        (('fraction', 0.5), ('bytes', 1024))
+    """
     if isinstance(budget, bool) or budget is None:
         raise _bad(budget)
     if isinstance(budget, numbers.Integral):  # int, numpy integers
@@ -83,6 +90,12 @@ def _parsed(budget: object) -> tuple[str, float]:
             return "fraction", percent / 100
         match = _PATTERN.match(text)
         if match is None:
+            if _is_number(text):  # "1e9", "-3": a number, but neither whole bytes nor a fraction
+                raise _bad(
+                    budget,
+                    "a number that is not whole bytes is a fraction of the plain peak, in "
+                    "(0, 1]; for bytes give the digits or a unit ('1GB')",
+                )
             raise _bad(budget)
         number, unit = match.group(1), match.group(2).lower()
         if not unit and "." in number:
@@ -100,6 +113,14 @@ def _parsed(budget: object) -> tuple[str, float]:
             raise _bad(budget)
         return "bytes", value
     raise _bad(budget, f"a {type(budget).__name__} is not a budget")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _bad(budget: object, reason: str = "") -> ValueError:

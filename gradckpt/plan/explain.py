@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.simulate import Prediction, Region, regions_of, simulate
 from gradckpt.profile.records import NEVER, Profile
@@ -43,26 +44,9 @@ __all__ = [
     "UnitCost",
     "explain",
     "format_shape",
-    "human_bytes",
 ]
 
 OUTSIDE = "(outside units)"
-_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
-
-
-def human_bytes(nbytes: int) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 ("1.50 MiB", "512 B").
-
-    Example:
-        >>> human_bytes(3 << 20), human_bytes(1536), human_bytes(12)
-        ('3.00 MiB', '1.50 KiB', '12 B')
-    """
-    for size, name in _UNITS:
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {name}"
-    return f"{nbytes} B"
-
-
 STATUSES = ("kept", "region input", "selective", "recomputed")
 
 
@@ -116,16 +100,16 @@ class PeakInfo:
     def describe(self) -> str:
         workspace = (
             f", kernel workspace of {self.op.removeprefix('aten.')} "
-            f"{human_bytes(self.workspace_bytes)}"
+            f"{format_bytes(self.workspace_bytes)}"
             if self.workspace_bytes
             else ""
         )
         return (
-            f"peak {human_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
+            f"peak {format_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
             f"({self.op.removeprefix('aten.')}): parameters and buffers "
-            f"{human_bytes(self.param_bytes)}, tensors kept for backward "
-            f"{human_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
-            f"activations {human_bytes(self.other_bytes)}{workspace}"
+            f"{format_bytes(self.param_bytes)}, tensors kept for backward "
+            f"{format_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
+            f"activations {format_bytes(self.other_bytes)}{workspace}"
         )
 
 
@@ -157,18 +141,18 @@ class Explanation:
         if peak.kept_bytes < 0.25 * created:
             out.append(
                 f"the peak is during the {peak.phase} of {peak.unit}, and only "
-                f"{human_bytes(peak.kept_bytes)} of it is tensors kept for backward: the rest "
+                f"{format_bytes(peak.kept_bytes)} of it is tensors kept for backward: the rest "
                 "is gradients and temporaries, which checkpointing does not remove; a smaller "
                 "batch or sequence (or fewer trainable parameters) lowers it"
             )
         elif self.plan is None:
             out.append(
-                f"checkpointing can free at most {human_bytes(peak.kept_bytes)} at the peak "
+                f"checkpointing can free at most {format_bytes(peak.kept_bytes)} at the peak "
                 "(the kept tensors alive there)"
             )
         if peak.workspace_bytes >= 0.1 * created:
             out.append(
-                f"{human_bytes(peak.workspace_bytes)} of the peak is scratch memory that "
+                f"{format_bytes(peak.workspace_bytes)} of the peak is scratch memory that "
                 f"{peak.op.removeprefix('aten.')} allocates inside its kernel (measured at the "
                 "allocator); checkpointing does not shrink it, smaller inputs to that op do"
             )
@@ -176,7 +160,7 @@ class Explanation:
             if u.calls > 1:
                 out.append(
                     f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
-                    f"checkpoints it and keeps all it saves ({human_bytes(u.kept_bytes)}); "
+                    f"checkpoints it and keeps all it saves ({format_bytes(u.kept_bytes)}); "
                     "to checkpoint it, wrap its calls in gradckpt.checkpoint yourself"
                 )
         return out
@@ -208,19 +192,19 @@ class Explanation:
         for unit, rows in self.by_unit().items():
             kept = sum(r.nbytes for r in rows if r.kept)
             block = " (block)" if rows[0].is_block else ""
-            lines.append(f"{unit}{block}: keeps {human_bytes(kept)}")
+            lines.append(f"{unit}{block}: keeps {format_bytes(kept)}")
             lines.append(head)
             for r in rows:
                 shape = format_shape(r.shape)
                 lines.append(
                     f"  {r.op.removeprefix('aten.'):<30} {shape:<20} {r.dtype:<9} "
-                    f"{human_bytes(r.nbytes):>12}  {r.status:<12} {r.why}"
+                    f"{format_bytes(r.nbytes):>12}  {r.status:<12} {r.why}"
                 )
         lines += [
             "",
-            f"bytes kept for backward: {human_bytes(self.kept_bytes)} "
+            f"bytes kept for backward: {format_bytes(self.kept_bytes)} "
             f"({sum(r.kept for r in self.rows)} storages)",
-            f"bytes recomputed in backward: {human_bytes(self.recomputed_bytes)} "
+            f"bytes recomputed in backward: {format_bytes(self.recomputed_bytes)} "
             f"({sum(not r.kept for r in self.rows)} storages)",
             f"saved parameters and inputs (not counted, they exist anyway): "
             f"{self.pre_existing_saved}",

@@ -220,8 +220,8 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
 
 
 def _written(nbytes: int) -> str:
-    """``nbytes`` for a message: MiB rounded up (so it works as a budget), and exact."""
-    return f"{math.ceil(nbytes * 100 / 2**20) / 100:.2f} MiB ({nbytes} bytes)"
+    """``nbytes`` for a message: rounded up (so it works as a budget), and exact."""
+    return f"{format_bytes(nbytes, round_up=True)} ({nbytes} bytes)"
 
 
 # ------------------------------------------------------------------ baselines

@@ -18,7 +18,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt.measure import MemoryTracker
-from gradckpt.plan.explain import STATUSES, Explanation, explain, human_bytes
+from gradckpt.plan.explain import STATUSES, Explanation, explain
 from gradckpt.plan.solvers import every_kth_plan, finish, save_matmuls_plan, sqrt_plan
 from gradckpt.testing import make
 
@@ -177,12 +177,6 @@ def test_gradient_dominated_peak_is_called_out():
     e = explain(model, lambda: model(x).sum())
     assert e.peak.kept_bytes < 0.25 * (e.peak.peak_bytes - e.peak.param_bytes)
     assert any("checkpointing does not remove" in h for h in e.hints())
-
-
-def test_human_bytes():
-    assert human_bytes(0) == "0 B"
-    assert human_bytes(2048) == "2.00 KiB"
-    assert human_bytes(5 << 30) == "5.00 GiB"
 
 
 def test_explain_shows_kernel_workspace_where_it_sets_the_peak():
