@@ -8,9 +8,10 @@ Example:
     >>> print(plan.summary())
 """
 
-from gradckpt import measure, plan, policies, profile
-from gradckpt.api import FrontierPoint, fit, frontier
+from gradckpt import integrations, measure, plan, policies, profile
+from gradckpt.api import FrontierPoint, explain, fit, frontier
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
+from gradckpt.apply.compiled import compile
 from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
 from gradckpt.engine import (
     RECOMPUTE,
@@ -23,11 +24,10 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
-from gradckpt.integrations.compiled import compile
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.errors import PlanFormatError
-from gradckpt.plan.explain import explain
+from gradckpt.plan.planner import Planner
 from gradckpt.plan.planset import PlanSet
 from gradckpt.profile import Profile
 
@@ -45,6 +45,7 @@ __all__ = [
     "PlanFormatError",
     "PlanMismatchError",
     "PlanSet",
+    "Planner",
     "PolicyContext",
     "Profile",
     "Segment",
@@ -60,6 +61,7 @@ __all__ = [
     "explain",
     "fit",
     "frontier",
+    "integrations",
     "measure",
     "plan",
     "policies",

@@ -44,6 +44,7 @@ from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.planset import ShapeKey, shape_key
+from gradckpt.profile.adapters import Adapter, register_adapter
 
 __all__ = [
     "POLICIES",
@@ -277,6 +278,11 @@ def paused(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         guard._busy.on = before
+
+
+# gradckpt's own profiling passes (every one goes through gradckpt.profile) run
+# with the model's shape guard paused: registered here, the profiler never imports apply.
+register_adapter(Adapter("shape guard", recognizes=lambda model: model in _GUARDS, prepare=paused))
 
 
 def guards(model: nn.Module) -> bool:

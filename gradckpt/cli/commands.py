@@ -26,7 +26,8 @@ from gradckpt.cli.extras import CliError, require
 from gradckpt.cli.output import Out
 from gradckpt.cli.targets import resolve
 from gradckpt.measure.memory import format_bytes
-from gradckpt.plan.explain import Explanation, explain, format_shape
+from gradckpt.plan.explain import Explanation, format_shape
+from gradckpt.plan.planner import Planner
 
 __all__ = ["run_bench", "run_explain", "run_plan"]
 
@@ -68,18 +69,17 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
         check_writable(args.plot, "--plot")
         require("matplotlib", "--plot")
     target, prof = _target_and_profile(args, out)
-    plan = plan_for(prof, args.budget, args.solver, target.name)
-    least = least_peak(prof)
-    explanation = explain(prof, plan=plan)
+    planner = Planner(prof)  # the chain and DP, built once for every question below
+    plan = plan_for(planner, args.budget, args.solver, target.name)
+    least = least_peak(planner)
+    explanation = planner.explain(plan=plan)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     plans = _plan_set(args, target, prof, plan)
     (plans if plans is not None else plan).save(path)
     plotted = None
     if args.plot:
-        import gradckpt
-
-        points = gradckpt.frontier(target.model, target.loss_fn, profile=prof)
+        points = planner.frontier()
         write_frontier_png(
             Path(args.plot), points, title=f"{target.name}: memory-time frontier (predicted)",
             plain_peak=prof.measured_peak_bytes, budget=plan.budget_bytes,
@@ -152,10 +152,11 @@ def run_explain(args: argparse.Namespace, out: Out) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CliError(f"cannot read the plan {args.plan!r}: {e}") from e
     target, prof = _target_and_profile(args, out)
+    planner = Planner(prof)
     if args.budget is not None:
-        plan = plan_for(prof, args.budget, "dp", target.name)
+        plan = plan_for(planner, args.budget, "dp", target.name)
     try:
-        explanation = explain(prof, plan=plan)
+        explanation = planner.explain(plan=plan)
     except ValueError as e:  # a plan naming units this target does not have
         raise CliError(f"the plan does not fit {target.name}: {e}") from e
     if args.json:

@@ -13,9 +13,9 @@ from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.explain import Explanation
 
 if TYPE_CHECKING:
-    from gradckpt.api import FrontierPoint
     from gradckpt.cli.targets import Target
     from gradckpt.plan.plan import Plan
+    from gradckpt.plan.planner import FrontierPoint, Planner
     from gradckpt.profile.records import Profile
 
 __all__ = [
@@ -123,27 +123,21 @@ def profile_target(
             ) from e
 
 
-def least_peak(prof: Profile) -> int:
-    """The least peak gradckpt reaches for this step (predicted bytes)."""
-    from gradckpt.plan.chain import build_chain
-    from gradckpt.plan.dp import ChainDP
-    from gradckpt.plan.solvers import least_peak_plan
-
-    chain = build_chain(prof)
-    return least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
+def least_peak(planner: Planner) -> int:
+    """The least peak gradckpt reaches for the planner's step (predicted bytes)."""
+    return planner.least_peak()[1].peak_bytes
 
 
-def plan_for(prof: Profile, budget: int | float | str, solver: str, name: str) -> Plan:
+def plan_for(planner: Planner, budget: int | float | str, solver: str, name: str) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
-    from gradckpt.plan.budget import BudgetError, parse_budget
-    from gradckpt.plan.solvers import solve
+    from gradckpt.plan.budget import BudgetError
 
-    least = least_peak(prof) if budget == "least" else None
-    nbytes = least if least is not None else parse_budget(budget, prof.measured_peak_bytes)
+    prof = planner.profile
+    nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
     try:
-        return solve(prof, nbytes, solver)
+        return planner.plan(nbytes, solver)
     except BudgetError as e:
-        least = e.least_peak_bytes if solver == "dp" else least_peak(prof)
+        least = e.least_peak_bytes if solver == "dp" else least_peak(planner)
         raise CliError(
             f"budget {format_bytes(nbytes)} is below the least feasible peak for {name}: "
             f"{format_bytes(least or 0)} ({least} bytes) with solver {solver!r} "

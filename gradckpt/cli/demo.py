@@ -38,7 +38,6 @@ from gradckpt.cli.common import (
 from gradckpt.cli.extras import CliError
 from gradckpt.cli.output import Out
 from gradckpt.measure.memory import format_bytes
-from gradckpt.plan.explain import explain
 
 __all__ = ["DEMO_SIZES", "run_demo"]
 
@@ -115,9 +114,10 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
     # 1. the plain step and the frontier
     with out.status("[1/4] profiling the plain training step ..."):
         prof = gradckpt.profile(planned.model, planned.loss_fn, repeats=2)
-        points = gradckpt.frontier(planned.model, planned.loss_fn, profile=prof)
+        planner = gradckpt.Planner(prof)  # chain and DP built once for all that follows
+        points = planner.frontier()
     plain_peak = prof.measured_peak_bytes
-    least = least_peak(prof)
+    least = least_peak(planner)
     out.print(
         f"[1/4] plain step: peak {format_bytes(plain_peak)} (parameters "
         f"{format_bytes(prof.param_bytes)}), {ms(prof.step_time)}; least feasible peak "
@@ -135,8 +135,8 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
             budget = least
     else:
         budget = args.budget
-    plan = plan_for(prof, budget, "dp", "the demo GPT")
-    explanation = explain(prof, plan=plan)
+    plan = plan_for(planner, budget, "dp", "the demo GPT")
+    explanation = planner.explain(plan=plan)
     out.print(
         f"[2/4] plan for a budget of {format_bytes(plan.budget_bytes or 0)}: "
         f"{describe_plan(plan)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}, "

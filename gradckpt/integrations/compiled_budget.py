@@ -7,7 +7,7 @@ it compiles a handful of candidates and *measures* each compiled step's
 allocator peak and median time:
 
 * gradckpt plans (no segments) at several fractions of the eager peak, each
-  executed by the compiler (:func:`gradckpt.integrations.compiled.compile`);
+  executed by the compiler (:func:`gradckpt.apply.compiled.compile`);
 * the compiler's own partitioner at ``activation_memory_budget`` values
   (1.0 is ``torch.compile``'s default).
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import apply, remove
-from gradckpt.integrations.compiled import compile as compile_planned
-from gradckpt.integrations.compiled import uncompile
+from gradckpt.apply.compiled import compile as compile_planned
+from gradckpt.apply.compiled import uncompile
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.plan import Plan
 from gradckpt.plan.budget import BudgetError, parse_budget

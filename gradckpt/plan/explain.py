@@ -25,12 +25,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import torch
-from torch import nn
 
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
@@ -227,47 +223,25 @@ def format_shape(shape: tuple[int, ...] | None) -> str:
 # --------------------------------------------------------------------------- main API
 
 
-def explain(
-    model_or_profile: nn.Module | Profile,
-    loss_fn: Callable[[], torch.Tensor] | None = None,
-    plan: Plan | None = None,
-    *,
-    budget: int | float | str | None = None,
-    blocks: Any = None,
-) -> Explanation:
-    """Every storage the step keeps for backward, why, the totals and the peak.
+def explain(prof: Profile, plan: Plan | None = None) -> Explanation:
+    """Every storage the step of ``prof`` keeps for backward under ``plan``, why, the
+    totals and the peak (``plan=None``: the plain step).
 
-    Args:
-        model_or_profile: a model (profiled once with ``loss_fn``) or a :class:`Profile`.
-        loss_fn: zero-argument callable returning the loss; needed with a model.
-        plan: the plan to explain; None explains the plain step (or, for a model,
-            the plan :func:`gradckpt.apply` installed on it).
-        budget: instead of ``plan``, plan for this budget first (see :func:`gradckpt.plan`).
-        blocks: block paths or predicate, passed to the profiler.
+    For a model, or a plan made for a budget first, call :func:`gradckpt.explain`
+    (or :meth:`gradckpt.plan.planner.Planner.explain`).
 
     Returns:
         An :class:`Explanation`: ``rows``, ``units``, ``kept_bytes``, ``recomputed_bytes``,
         ``peak``; ``table()`` and ``to_json()``.
 
     Example:
-        >>> print(gradckpt.explain(model, loss_fn, budget="2GiB").table())
+        >>> print(explain(prof, plan).table())
     """
-    if isinstance(model_or_profile, Profile):
-        prof = model_or_profile
-    else:
-        if loss_fn is None:
-            raise TypeError("explain(model, loss_fn): a model needs its loss_fn")
-        from gradckpt.apply.apply import applied_plan
-        from gradckpt.profile.run import profile
-
-        if plan is None and budget is None:
-            plan = applied_plan(model_or_profile)
-        prof = profile(model_or_profile, loss_fn, blocks=blocks, repeats=1)
-    if plan is None and budget is not None:
-        from gradckpt.plan.budget import parse_budget
-        from gradckpt.plan.solvers import solve
-
-        plan = solve(prof, parse_budget(budget, prof.measured_peak_bytes))
+    if not isinstance(prof, Profile):
+        raise TypeError(
+            f"explain takes a Profile, got {type(prof).__name__}; for a model call "
+            "gradckpt.explain(model, loss_fn)"
+        )
     return _explain(prof, plan)
 
 

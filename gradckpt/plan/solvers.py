@@ -30,6 +30,7 @@ __all__ = [
     "Solver",
     "finish",
     "least_peak_plan",
+    "schedule_plan",
     "solve",
     "solve_dp",
     "without_segments",
@@ -78,6 +79,15 @@ def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
         else:
             items.append(Segment(_items(model, node[1])))
     return tuple(items)
+
+
+def schedule_plan(profile: Profile, model: ChainModel, dp: ChainDP, m: int) -> Plan:
+    """The plan the DP schedules with ``m`` grid units of memory (no predictions yet).
+
+    Example:
+        >>> schedule_plan(prof, model, dp, dp.least_feasible())
+    """
+    return Plan(_items(model, dp.schedule(m)), profile.fingerprint)
 
 
 def _where(profile: Profile, position: int) -> str:
@@ -173,7 +183,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         >>> plan = solve_dp(prof, 600 << 20)
     """
     model = model or with_engine_costs(build_chain(profile), profile)
-    if not segments:
+    if not segments and any(st.joins_previous for st in model.chain.stages):
         model = without_segments(model)
         dp = None
     dp = dp or ChainDP(model.chain)
@@ -322,12 +332,26 @@ SOLVERS: dict[str, Solver] = {
 
 
 def solve(
-    profile: Profile, budget: int, solver: str | Solver = "dp", *, segments: bool = True
+    profile: Profile,
+    budget: int,
+    solver: str | Solver = "dp",
+    *,
+    segments: bool = True,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
 ) -> Plan:
     """Run a solver by name (see ``SOLVERS``) or a solver callable.
 
+    Every solver's plan, built-in or custom, leaves through the same door: its
+    predictions come from the simulator (a custom solver's claims are not
+    trusted) and its predicted peak is checked against ``budget``.
     ``segments=False`` forbids multi-unit regions: the DP does not make them,
-    and a baseline that does (``sqrt``) is refused.
+    and a baseline that does (``sqrt``) is refused. ``model`` and ``dp``: the
+    DP's chain and tables already built (:class:`gradckpt.plan.planner.Planner`).
+
+    Example:
+        >>> solve(prof, 600 << 20, "sqrt").solver
+        'sqrt'
     """
     if not _plannable(profile):
         raise ValueError(
@@ -338,8 +362,6 @@ def solve(
             "submodules."
         )
     if callable(solver):
-        # A custom solver's plan gets the same simulated predictions and budget check
-        # as the built-in ones: whatever it claims about its own peak is not trusted.
         name = getattr(solver, "__name__", "custom")
         chosen = solver(profile, budget)
         if not isinstance(chosen, Plan):
@@ -347,15 +369,21 @@ def solve(
                 f"the {name} solver returned {type(chosen).__name__}, not a gradckpt Plan; "
                 "a solver takes (profile, budget_bytes) and returns a Plan"
             )
-        chosen = _fit(profile, chosen, budget, name)
+        chosen = finish(profile, chosen, budget, name)[0]  # whatever it claimed is replaced
     elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
     elif solver == "dp":
-        chosen = solve_dp(profile, budget, segments=segments)
+        chosen = solve_dp(profile, budget, model=model, dp=dp, segments=segments)
     else:
         chosen = SOLVERS[solver](profile, budget)
+    name = solver if isinstance(solver, str) else chosen.solver
+    if chosen.predicted_peak_bytes > budget:
+        raise BudgetError(
+            f"the {name} scheme peaks at {format_bytes(chosen.predicted_peak_bytes)}, over the "
+            f"budget of {format_bytes(budget)}",
+            least_peak_bytes=chosen.predicted_peak_bytes,
+        )
     if not segments and any(isinstance(item, Segment) for item in chosen.items):
-        name = solver if isinstance(solver, str) else getattr(solver, "__name__", "solver")
         raise ValueError(
             f"the {name} solver made a plan with segments, which segments=False forbids "
             "(segments cannot run under FSDP); use solver='dp' or a per-block baseline"

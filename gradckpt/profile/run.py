@@ -39,6 +39,7 @@ from torch import nn
 from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.measure.memory import state_bytes
 from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profile import adapters
 from gradckpt.profile.calibration import settled_step_time, settled_times
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
@@ -248,6 +249,10 @@ def profile(
         device: with ``fake``, the device the fake tensors claim to be on (default:
             where the parameters are; "cpu" for a meta model).
 
+    The model is profiled inside every registered adapter's preparation
+    (:mod:`gradckpt.profile.adapters`): the API, ``explain`` and the CLI all
+    come through here.
+
     Example:
         >>> prof = gradckpt.profile(model, lambda: model(x).pow(2).mean())
         >>> prof.measured_peak_bytes
@@ -256,6 +261,20 @@ def profile(
         raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
         raise TypeError("loss_fn must be a zero-argument callable returning the loss")
+    # The one profiling path: every registered adapter prepares the model first
+    # (transformers: no KV cache; under fake tensors, its real-data branches).
+    with adapters.preparing(model, fake=fake):
+        return _profile_prepared(model, loss_fn, blocks, repeats, fake, device)
+
+
+def _profile_prepared(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    blocks: BlockSpec,
+    repeats: int,
+    fake: bool,
+    device: str | torch.device | None,
+) -> Profile:
     units = find_units(model, find_blocks(model, blocks))
     guard = StepState(model)
     try:

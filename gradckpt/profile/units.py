@@ -1,8 +1,8 @@
 """Which modules of a model are *units*: the pieces a plan may checkpoint.
 
 Blocks are the repeated layers (decoder layers, residual blocks). They are
-found automatically — by a finder an integration registered for its library
-(:func:`register_block_finder`), Hugging Face ``GradientCheckpointingLayer``s, or classes
+found automatically — by the adapter an integration registered for its library
+(:mod:`gradckpt.profile.adapters`, or :func:`register_block_finder`), Hugging Face ``GradientCheckpointingLayer``s, or classes
 that repeat among the children of ``nn.ModuleList``/``nn.Sequential``
 containers — or given by the user. Every other maximal submodule that holds no
 block (embeddings, final norm, head) is a unit too, so what lies between
@@ -17,37 +17,29 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gradckpt.profile.adapters import Adapter, register_adapter, registered_blocks
+
 __all__ = ["Unit", "find_blocks", "find_units", "register_block_finder"]
 
 BlockSpec = Iterable[str] | Callable[[str, nn.Module], bool] | None
 BlockFinder = Callable[[nn.Module], list[str]]
 
-# Finders registered by integrations (layer 7), consulted before the generic rules:
-# this layer never imports them, they register themselves.
-_FINDERS: list[BlockFinder] = []
 
 
 def register_block_finder(finder: BlockFinder) -> BlockFinder:
     """Teach block discovery a library's blocks: ``finder(model)`` returns their paths, or [].
 
-    The first registered finder that returns paths wins; the generic rules apply
-    when none does. Registering the same finder twice is a no-op.
+    A shorthand for registering an :class:`~gradckpt.profile.adapters.Adapter` that only
+    finds blocks. The first registered finder that returns paths wins; the generic
+    rules apply when none does. Registering the same finder twice is a no-op.
 
     Example:
         >>> register_block_finder(lambda model: [n for n, m in model.named_modules()
         ...                                      if type(m).__name__ == "MyBlock"])
     """
-    if finder not in _FINDERS:
-        _FINDERS.append(finder)
+    name = f"blocks:{getattr(finder, '__qualname__', 'finder')}@{id(finder):x}"  # one per finder
+    register_adapter(Adapter(name, find_blocks=finder))
     return finder
-
-
-def _registered(model: nn.Module) -> list[str]:
-    for finder in _FINDERS:
-        found = finder(model)
-        if found:
-            return list(found)
-    return []
 
 
 @dataclass(frozen=True)
@@ -100,7 +92,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[str]:
     """
     modules = dict(model.named_modules())
     if blocks is None:
-        paths = _registered(model) or _hf_layers(model) or _repeated_children(model)
+        paths = registered_blocks(model) or _hf_layers(model) or _repeated_children(model)
     elif callable(blocks):
         paths = [name for name, module in modules.items() if name and blocks(name, module)]
     else:

@@ -18,7 +18,8 @@ from torch import nn
 
 import gradckpt
 from gradckpt.measure import MemoryTracker
-from gradckpt.plan.explain import STATUSES, Explanation, explain
+from gradckpt import explain
+from gradckpt.plan.explain import STATUSES, Explanation
 from gradckpt.plan.solvers import every_kth_plan, finish, save_matmuls_plan, sqrt_plan
 from gradckpt.testing import make
 

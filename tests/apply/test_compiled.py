@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.integrations.compiled import compiled_plan, uncompile
+from gradckpt.apply.compiled import compiled_plan, uncompile
 from gradckpt.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.solvers import save_matmuls_plan
 from gradckpt.profile import find_units, model_fingerprint

@@ -1,5 +1,8 @@
 """gradckpt's plan executed *by* the compiler: one compiled graph, the plan's decisions inside it.
 
+An execution backend of a plan, beside the eager one (:mod:`gradckpt.apply.apply`),
+so it belongs to the apply layer (``gradckpt.fit(..., compile=True)`` uses it).
+
 :func:`gradckpt.integrations.compile.compile_model` compiles around gradckpt's
 own regions (each region is a graph break, its body compiled apart). This
 module instead hands the plan to the compiler: every planned unit's forward
