@@ -27,6 +27,7 @@ from gradckpt.plan.plan import Plan
 from gradckpt.plan.simulate import Prediction
 from gradckpt.plan.solvers import (
     Solver,
+    check_plannable,
     finish,
     least_peak_plan,
     none_plan,
@@ -98,6 +99,7 @@ class Planner:
             True
         """
         nbytes = self.budget_bytes(budget)
+        check_plannable(self.profile)  # before the chain is built: the error in the user's terms
         if solver == "dp":
             return solve(self.profile, nbytes, "dp", segments=self.segments,
                          model=self.chain, dp=self.dp)  # fmt: skip

@@ -28,6 +28,7 @@ from gradckpt.profile.records import Profile, UnitRecord
 __all__ = [
     "SOLVERS",
     "Solver",
+    "check_plannable",
     "finish",
     "least_peak_plan",
     "schedule_plan",
@@ -331,6 +332,22 @@ SOLVERS: dict[str, Solver] = {
 }
 
 
+def check_plannable(profile: Profile) -> None:
+    """Raise a ValueError saying what to do if ``profile`` has no unit a plan could change.
+
+    Example:
+        >>> check_plannable(prof)
+    """
+    if not _plannable(profile):
+        raise ValueError(
+            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
+            "step with ops of its own (units are the model's children and its repeated "
+            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
+            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
+            "submodules."
+        )
+
+
 def solve(
     profile: Profile,
     budget: int,
@@ -353,14 +370,7 @@ def solve(
         >>> solve(prof, 600 << 20, "sqrt").solver
         'sqrt'
     """
-    if not _plannable(profile):
-        raise ValueError(
-            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
-            "step with ops of its own (units are the model's children and its repeated "
-            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
-            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
-            "submodules."
-        )
+    check_plannable(profile)
     if callable(solver):
         name = getattr(solver, "__name__", "custom")
         chosen = solver(profile, budget)
