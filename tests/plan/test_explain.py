@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import MemoryTracker
 from gradckpt import explain
+from gradckpt.measure import MemoryTracker
 from gradckpt.plan.explain import STATUSES, Explanation
 from gradckpt.plan.solvers import every_kth_plan, finish, save_matmuls_plan, sqrt_plan
 from gradckpt.testing import make

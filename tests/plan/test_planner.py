@@ -10,8 +10,8 @@ from gradckpt.plan import dp as dp_module
 from gradckpt.plan import planner as planner_module
 from gradckpt.plan import solvers as solvers_module
 from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.planner import Planner
 from gradckpt.plan.plan import Segment
+from gradckpt.plan.planner import Planner
 from gradckpt.plan.simulate import simulate
 from gradckpt.plan.solvers import solve
 
