@@ -45,9 +45,9 @@ from benchmarks.common import (
     with_plan,
     write_results,
 )
-from gradckpt.plan.chain import build_chain
-from gradckpt.plan.dp import ChainDP
-from gradckpt.plan.solvers import (
+from gradckpt.planning.chain import build_chain
+from gradckpt.planning.dp import ChainDP
+from gradckpt.planning.solvers import (
     every_kth_plan,
     finish,
     least_peak_plan,

@@ -183,9 +183,9 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
 
     prof = gradckpt.profile(model, loss_fn, repeats=2)
     plain = prof.measured_peak_bytes
-    from gradckpt.plan.chain import build_chain
-    from gradckpt.plan.dp import ChainDP
-    from gradckpt.plan.solvers import least_peak_plan
+    from gradckpt.planning.chain import build_chain
+    from gradckpt.planning.dp import ChainDP
+    from gradckpt.planning.solvers import least_peak_plan
 
     chain = build_chain(prof)
     least = least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
@@ -230,7 +230,7 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
 
 
 def _describe(plan: gradckpt.Plan) -> str:
-    from gradckpt.plan.plan import Segment
+    from gradckpt.planning.plan import Segment
 
     modes = [u.mode for u in plan.units]
     parts = [f"{modes.count(m)} {m}" for m in ("recompute", "selective") if modes.count(m)]

@@ -8,8 +8,8 @@ Example:
     >>> print(plan.summary())
 """
 
-from gradckpt import integrations, measure, plan, policies, profile
-from gradckpt.api import FrontierPoint, explain, fit, frontier
+from gradckpt import integrations, measure, planning, policies, profiling
+from gradckpt.api import FrontierPoint, explain, fit, frontier, plan, profile
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
 from gradckpt.apply.compiled import compile
 from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
@@ -24,12 +24,12 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
-from gradckpt.plan import Plan, Segment, UnitChoice, simulate
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.errors import PlanFormatError
-from gradckpt.plan.planner import Planner
-from gradckpt.plan.planset import PlanSet
-from gradckpt.profile import Profile
+from gradckpt.planning import Plan, Segment, UnitChoice, simulate
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.errors import PlanFormatError
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.planset import PlanSet
+from gradckpt.profiling import Profile
 
 __version__ = "0.1.0"
 
@@ -64,8 +64,10 @@ __all__ = [
     "integrations",
     "measure",
     "plan",
+    "planning",
     "policies",
     "profile",
+    "profiling",
     "remove",
     "shape_stats",
     "simulate",

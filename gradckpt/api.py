@@ -2,8 +2,8 @@
 
 The top of the library's planning side: arguments are checked here in the
 user's terms, then every verb profiles through the one profiling path
-(:func:`gradckpt.profile.run.profile`, which consults the registered adapters)
-and asks a :class:`~gradckpt.plan.planner.Planner`. ``apply``/``remove`` live in
+(:func:`gradckpt.profiling.run.profile`, which consults the registered adapters)
+and asks a :class:`~gradckpt.planning.planner.Planner`. ``apply``/``remove`` live in
 apply/; the shape side of ``plan``/``fit`` in :mod:`gradckpt.api_shapes`.
 """
 
@@ -21,16 +21,16 @@ from gradckpt import api_shapes, replan
 from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
-from gradckpt.plan.budget import check_budget
-from gradckpt.plan.explain import Explanation
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.planner import FrontierPoint, Planner
-from gradckpt.plan.planset import PlanSet, ShapeKey
-from gradckpt.plan.solvers import SOLVERS, Solver
-from gradckpt.profile import adapters
-from gradckpt.profile.records import Profile
-from gradckpt.profile.run import profile as profile_step
-from gradckpt.profile.units import BlockSpec
+from gradckpt.planning.budget import check_budget
+from gradckpt.planning.explain import Explanation
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planner import FrontierPoint, Planner
+from gradckpt.planning.planset import PlanSet, ShapeKey
+from gradckpt.planning.solvers import SOLVERS, Solver
+from gradckpt.profiling import adapters
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
 
@@ -87,7 +87,7 @@ def _check_arguments(
 
 
 def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
-    """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profile.run.profile`.
+    """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profiling.run.profile`.
 
     Registered adapters prepare the model first (transformers: no KV cache while
     profiling); a fitted model's shape guard stays out of the profiling passes.
@@ -131,7 +131,7 @@ def plan(
         budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
             (0, 1] meaning that fraction of the uncheckpointed peak.
         blocks: the repeated blocks (paths or predicate); found automatically if None.
-        solver: "dp" (default) or a baseline name from ``gradckpt.plan.solvers.SOLVERS``.
+        solver: "dp" (default) or a baseline name from ``gradckpt.planning.solvers.SOLVERS``.
         repeats: profiled steps to take median op times from.
         profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
         segments: allow regions that span several units (False for FSDP, whose
@@ -216,7 +216,7 @@ def fit(
         seq_dim: the sequence dimension: integer ``shapes`` resize it, and a call that
             changes only it is planned by rescaling (below).
         rescale: plan a call that changes only the sequence length from profiles at
-            four lengths rescaled exactly (:mod:`gradckpt.plan.rescale`; built at the
+            four lengths rescaled exactly (:mod:`gradckpt.planning.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
         measure_candidates: how many plans that fit (the planner's, then the next
@@ -331,7 +331,7 @@ def explain(
         blocks: block paths or predicate, passed to the profiler.
 
     Returns:
-        An :class:`~gradckpt.plan.explain.Explanation`: ``rows``, ``units``,
+        An :class:`~gradckpt.planning.explain.Explanation`: ``rows``, ``units``,
         ``kept_bytes``, ``recomputed_bytes``, ``peak``; ``table()`` and ``to_json()``.
 
     Example:

@@ -21,17 +21,17 @@ from torch import nn
 from gradckpt import replan
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.plan import Plan, Segment
-from gradckpt.plan.planner import Planner
-from gradckpt.plan.planset import ShapeKey
-from gradckpt.plan.simulate import simulate
-from gradckpt.plan.solvers import Solver
-from gradckpt.profile import adapters
-from gradckpt.profile.fake import fake_model
-from gradckpt.profile.records import Profile
-from gradckpt.profile.run import profile as profile_step
-from gradckpt.profile.units import BlockSpec
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.plan import Plan, Segment
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.planset import ShapeKey
+from gradckpt.planning.simulate import simulate
+from gradckpt.planning.solvers import Solver
+from gradckpt.profiling import adapters
+from gradckpt.profiling.fake import fake_model
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["PlanOptions", "guard", "plan_fitted", "plan_shape", "shape_planner"]
 

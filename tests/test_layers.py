@@ -37,10 +37,10 @@ _WHERE = (
     ("gradckpt.policies", "policies"),
     ("gradckpt.measure.", "measure"),
     ("gradckpt.measure", "measure"),
-    ("gradckpt.profile.", "profile"),
-    ("gradckpt.profile", "profile"),
-    ("gradckpt.plan.", "plan"),
-    ("gradckpt.plan", "plan"),
+    ("gradckpt.profiling.", "profile"),
+    ("gradckpt.profiling", "profile"),
+    ("gradckpt.planning.", "plan"),
+    ("gradckpt.planning", "plan"),
     ("gradckpt.replan", "plan"),
     ("gradckpt.apply.", "apply"),
     ("gradckpt.apply", "apply"),
@@ -122,4 +122,4 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert imports_of(source) == [(4, "gradckpt.measure"), (2, "gradckpt.api"),
                                   (3, "gradckpt.cli")] or sorted(imports_of(source)) == [
         (2, "gradckpt.api"), (3, "gradckpt.cli"), (4, "gradckpt.measure")]  # fmt: skip
-    assert LAYERS.index(layer_of("gradckpt.api")) > LAYERS.index(layer_of("gradckpt.plan.dp"))
+    assert LAYERS.index(layer_of("gradckpt.api")) > LAYERS.index(layer_of("gradckpt.planning.dp"))

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.apply.apply import applied_plan, applied_units
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
-from gradckpt.plan import Plan, Segment, UnitChoice
+from gradckpt.planning import Plan, Segment, UnitChoice
 
 __all__ = ["compile", "compiled_plan", "uncompile"]
 

@@ -25,11 +25,11 @@ from torch import nn
 
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.timing import work_clock
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.solvers import finish, solve
-from gradckpt.profile.records import Profile
-from gradckpt.profile.state import StepState
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.solvers import finish, solve
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.state import StepState
 
 __all__ = ["candidate_plans", "fastest_measured", "pick_fastest"]
 

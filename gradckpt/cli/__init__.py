@@ -87,7 +87,7 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
-    from gradckpt.plan.solvers import SOLVERS
+    from gradckpt.planning.solvers import SOLVERS
 
     parser = _Parser(
         prog="gradckpt",

@@ -26,8 +26,8 @@ from gradckpt.cli.extras import CliError, require
 from gradckpt.cli.output import Out
 from gradckpt.cli.targets import resolve
 from gradckpt.measure.memory import format_bytes
-from gradckpt.plan.explain import Explanation, format_shape
-from gradckpt.plan.planner import Planner
+from gradckpt.planning.explain import Explanation, format_shape
+from gradckpt.planning.planner import Planner
 
 __all__ = ["run_bench", "run_explain", "run_plan"]
 
@@ -124,7 +124,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
     if not getattr(args, "shapes", None):
         return None
     import gradckpt
-    from gradckpt.plan.budget import BudgetError
+    from gradckpt.planning.budget import BudgetError
 
     try:
         return gradckpt.plan(
@@ -141,7 +141,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
 
 
 def run_explain(args: argparse.Namespace, out: Out) -> int:
-    from gradckpt.plan.plan import Plan
+    from gradckpt.planning.plan import Plan
 
     plan = None
     if args.plan:

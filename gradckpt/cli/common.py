@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 from gradckpt.cli.extras import CliError, optional
 from gradckpt.cli.output import Out
 from gradckpt.measure.memory import format_bytes
-from gradckpt.plan.explain import Explanation
+from gradckpt.planning.explain import Explanation
 
 if TYPE_CHECKING:
     from gradckpt.cli.targets import Target
-    from gradckpt.plan.plan import Plan
-    from gradckpt.plan.planner import FrontierPoint, Planner
-    from gradckpt.profile.records import Profile
+    from gradckpt.planning.plan import Plan
+    from gradckpt.planning.planner import FrontierPoint, Planner
+    from gradckpt.profiling.records import Profile
 
 __all__ = [
     "budget_arg",
@@ -35,14 +35,14 @@ __all__ = [
 def budget_arg(text: str) -> int | float | str:
     """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes.
 
-    Read by the library's one budget parser (:func:`gradckpt.plan.budget.read_budget`);
+    Read by the library's one budget parser (:func:`gradckpt.planning.budget.read_budget`);
     the command line adds 'least' (the least feasible peak).
 
     Example:
         >>> budget_arg("50%"), budget_arg("0.25"), budget_arg("1.5GiB"), budget_arg("4096")
         (0.5, 0.25, '1.5GiB', 4096)
     """
-    from gradckpt.plan.budget import read_budget
+    from gradckpt.planning.budget import read_budget
 
     raw = text.strip()
     if raw.lower() == "least":
@@ -106,7 +106,7 @@ def profile_target(
     repeats: int = 3,
 ) -> Profile:  # fmt: skip
     """Profile the target's step, with a spinner; bad block names become a CliError."""
-    from gradckpt.profile.run import ProfileError, profile
+    from gradckpt.profiling.run import ProfileError, profile
 
     what = "estimating (--fake: nothing allocated)" if fake else "measuring"
     with out.status(f"{what} one training step of {target.name} ..."):
@@ -130,7 +130,7 @@ def least_peak(planner: Planner) -> int:
 
 def plan_for(planner: Planner, budget: int | float | str, solver: str, name: str) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
-    from gradckpt.plan.budget import BudgetError
+    from gradckpt.planning.budget import BudgetError
 
     prof = planner.profile
     nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
@@ -150,7 +150,7 @@ def plan_for(planner: Planner, budget: int | float | str, solver: str, name: str
 
 def describe_plan(plan: Plan) -> str:
     """'2 recompute, 4 selective, 1 segment' (units not kept plainly)."""
-    from gradckpt.plan.plan import Segment, iter_units
+    from gradckpt.planning.plan import Segment, iter_units
 
     units = list(iter_units(plan.items))
     counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective")}

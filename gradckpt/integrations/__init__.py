@@ -1,7 +1,7 @@
 """Layer 7: integrations with other libraries (Hugging Face transformers, diffusers, ...).
 
 Importing this package (``import gradckpt`` does) registers each library's
-:class:`~gradckpt.profile.adapters.Adapter`: how to prepare its models for
+:class:`~gradckpt.profiling.adapters.Adapter`: how to prepare its models for
 profiling, their fake-tensor-friendly paths, their blocks and their training
 switches. The profiler and the API consult that registry; they never import an
 integration. Nothing heavy is imported here: ``gradckpt.integrations.hf`` never
@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from torch import nn
 
 from gradckpt.integrations import diffusers_unet, hf
-from gradckpt.profile.adapters import Adapter, register_adapter
+from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = ["DIFFUSERS", "TRANSFORMERS"]
 

@@ -37,10 +37,10 @@ from gradckpt.apply.apply import apply, remove
 from gradckpt.apply.compiled import compile as compile_planned
 from gradckpt.apply.compiled import uncompile
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.plan import Plan
-from gradckpt.plan.budget import BudgetError, parse_budget
-from gradckpt.plan.solvers import solve
-from gradckpt.profile import profile as make_profile
+from gradckpt.planning import Plan
+from gradckpt.planning.budget import BudgetError, parse_budget
+from gradckpt.planning.solvers import solve
+from gradckpt.profiling import profile as make_profile
 
 __all__ = ["CompiledFit", "CompiledPoint", "choose", "fit_compiled", "install", "measure_points"]
 

@@ -61,10 +61,10 @@ from gradckpt.api import plan as gradckpt_plan
 from gradckpt.api import profile as gradckpt_profile
 from gradckpt.apply.apply import apply
 from gradckpt.measure.memory import MemoryTracker
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.planner import Planner
-from gradckpt.profile.records import Profile
-from gradckpt.profile.units import find_blocks
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planner import Planner
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.units import find_blocks
 
 __all__ = [
     "RankMemory",

@@ -28,8 +28,8 @@ from torch import nn
 
 from gradckpt.api import fit, profile
 from gradckpt.measure.memory import MemoryTracker, format_bytes
-from gradckpt.plan.budget import parse_budget
-from gradckpt.plan.plan import Plan
+from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.plan import Plan
 
 __all__ = ["BudgetReport", "checked_callback_options", "fit_on_batch", "logger", "loss_of"]
 

@@ -32,7 +32,7 @@ def format_bytes(nbytes: int | None, *, round_up: bool = False) -> str:
 
     The one byte formatter of gradckpt: messages, tables and reports all use it.
     ``round_up=True`` rounds the two decimals up, so the text read back as a
-    budget (:func:`gradckpt.plan.budget.parse_budget`) is never below ``nbytes``.
+    budget (:func:`gradckpt.planning.budget.parse_budget`) is never below ``nbytes``.
 
     Example:
         >>> format_bytes(3 << 20), format_bytes(1536), format_bytes(12)

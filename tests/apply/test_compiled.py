@@ -15,9 +15,9 @@ import torch
 
 import gradckpt
 from gradckpt.apply.compiled import compiled_plan, uncompile
-from gradckpt.plan import Plan, Segment, UnitChoice
-from gradckpt.plan.solvers import save_matmuls_plan
-from gradckpt.profile import find_units, model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
