@@ -86,7 +86,7 @@ def plan_fitted(
 
         count = measure_candidates if options.solver == "dp" else 1
         with shape_guard.paused(model):  # candidates are applied and run by hand
-            chosen = fastest_measured(model, recording, prof, chosen, count, segments=segments)
+            chosen = fastest_measured(model, recording, planner, chosen, count)
     if not calls and given is not None:
         if not measured:  # nothing ran for real yet
             preparing = adapters.preparing(model, fake=True)
