@@ -24,6 +24,7 @@ from gradckpt.engine import (
     tag,
 )
 from gradckpt.integrations.compiled import compile
+from gradckpt.integrations.compiled_watch import compile_stats
 from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.errors import PlanFormatError
@@ -57,6 +58,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "compile",
+    "compile_stats",
     "explain",
     "fit",
     "frontier",

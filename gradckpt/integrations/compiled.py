@@ -41,7 +41,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.apply.apply import applied_plan, applied_units
+from gradckpt.apply.guard import guard_of
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
+from gradckpt.integrations.compiled_watch import watch
 from gradckpt.plan import Plan, Segment, UnitChoice
 
 __all__ = ["compile", "compiled_plan", "uncompile"]
@@ -82,6 +84,7 @@ def compile(
     plan = applied_plan(model)
     if plan is None:
         model.compile(**compile_kwargs)
+        watch(model)
         return model
     if any(isinstance(item, Segment) for item in plan.items):
         raise ValueError(
@@ -108,6 +111,10 @@ def compile(
         module.forward = _compiled_forward(unit, plains[unit.path], saves.get(unit.path, ()))
     _COMPILED[model] = (plan, replaced)
     model.compile(**compile_kwargs)
+    stats = watch(model)
+    guard = guard_of(model)
+    if guard is not None:  # fit(..., compile=True): shape_stats shows the recompiles too
+        guard.recompiles = lambda: stats().recompiles
     return model
 
 
