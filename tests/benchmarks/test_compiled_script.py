@@ -27,7 +27,6 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     rows = data["results"]["gpt2"]
     kinds = {r["kind"] for r in rows.values()}
     assert kinds == {"eager", "compiler", "gradckpt", "knob"}, rows
-    assert any(label.startswith("gradckpt fused") for label in rows), rows
     for label, row in rows.items():
         assert "error" not in row, (label, row)
         assert row["peak"] > 0 and row["median_s"] > 0
