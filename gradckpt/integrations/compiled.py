@@ -20,8 +20,9 @@ are translated to "the k-th call of this op" by recording one eager forward
 Segments (one region over several units) are honoured too: each unit of a
 segment is a checkpoint call whose ops all prefer recompute, and the units
 share one graph id so the partitioner does not save the tensors between them
-(:mod:`gradckpt.integrations.compiled_segments`). Random ops (dropout) are saved by the partitioner, not
-replayed, so recomputes do not change the masks.
+(:mod:`gradckpt.integrations.compiled_segments`). Random ops (dropout) are
+saved by the partitioner, not replayed, so recomputes do not change the masks.
+Dynamo's recompiles are counted (:mod:`gradckpt.integrations.compiled_watch`).
 
 Example:
     >>> plan = gradckpt.fit(model, loss_fn, budget=0.5, segments=False)
