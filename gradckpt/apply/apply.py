@@ -20,10 +20,10 @@ from gradckpt.apply.wrappers import (
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.plan.handlers import handler_for
-from gradckpt.plan.plan import Plan, Segment, UnitChoice
-from gradckpt.plan.planset import PlanSet
-from gradckpt.profile.fingerprint import model_fingerprint
+from gradckpt.planning.handlers import handler_for
+from gradckpt.planning.plan import Plan, Segment, UnitChoice
+from gradckpt.planning.planset import PlanSet
+from gradckpt.profiling.fingerprint import model_fingerprint
 
 __all__ = [
     "PlanMismatchError",

@@ -25,11 +25,12 @@ from torch import nn
 
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.timing import work_clock
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.solvers import finish, solve
-from gradckpt.profile.records import Profile
-from gradckpt.profile.state import StepState
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.solvers import finish, solve
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.state import StepState
 
 __all__ = ["candidate_plans", "fastest_measured", "pick_fastest"]
 
@@ -42,19 +43,28 @@ _LEANER = (0.97, 0.92)
 MARGIN = 0.03
 
 
+def _planner(source: Profile | Planner, segments: bool) -> Planner:
+    return source if isinstance(source, Planner) else Planner(source, segments=segments)
+
+
 def candidate_plans(
-    profile: Profile, chosen: Plan, count: int, *, segments: bool = True
+    source: Profile | Planner, chosen: Plan, count: int, *, segments: bool = True
 ) -> list[Plan]:
     """``chosen`` and up to ``count - 1`` other plans that fit its budget, fastest predicted first.
+
+    ``source``: the profile, or the :class:`~gradckpt.planning.planner.Planner` that
+    made ``chosen`` (its chain and DP are then reused; ``segments`` is its own).
 
     Example:
         >>> candidate_plans(prof, gradckpt.plan(model, loss_fn, 0.5, profile=prof), 2)
     """
+    planner = _planner(source, segments)
+    profile = planner.profile
     budget = chosen.budget_bytes
     found = [chosen]
     if budget is not None and count > 1:
         for name in _BASELINES:
-            if name == "sqrt" and not segments:
+            if name == "sqrt" and not planner.segments:
                 continue
             try:
                 found.append(solve(profile, budget, name))
@@ -62,7 +72,7 @@ def candidate_plans(
                 continue
         for share in _LEANER:
             try:
-                leaner = solve(profile, int(budget * share), "dp", segments=segments)
+                leaner = planner.plan(int(budget * share))
             except BudgetError:
                 continue
             found.append(finish(profile, leaner, budget, "dp")[0])
@@ -97,7 +107,7 @@ def pick_fastest(ratios: list[list[float]], margin: float = MARGIN) -> int:
 def fastest_measured(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
-    profile: Profile,
+    source: Profile | Planner,
     chosen: Plan,
     count: int = 2,
     *,
@@ -105,6 +115,8 @@ def fastest_measured(
     segments: bool = True,
 ) -> Plan:
     """Measure up to ``count`` candidate plans (see module doc); return the one to keep.
+
+    ``source``: the profile, or the Planner that made ``chosen`` (see :func:`candidate_plans`).
 
     Costs ``rounds * (count + 1)`` training steps. The model must not have a plan
     applied; it is left as found (no plan applied, gradients, buffers, RNG).
@@ -115,8 +127,9 @@ def fastest_measured(
     """
     if count < 1 or rounds < 1:
         raise ValueError(f"need count >= 1 and rounds >= 1, got {count} and {rounds}")
-    candidates = candidate_plans(profile, chosen, count, segments=segments)
-    clock = work_clock(profile.device)
+    planner = _planner(source, segments)
+    candidates = candidate_plans(planner, chosen, count)
+    clock = work_clock(planner.profile.device)
     guard = StepState(model)  # also leaves and buffers outside the model the step reaches
 
     def step() -> float:

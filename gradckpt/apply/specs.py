@@ -18,8 +18,8 @@ from torch import nn
 
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import KEEP, Decision
-from gradckpt.plan.handlers import KindHandler, handler_for
-from gradckpt.plan.kinds.selective import PlanPolicy
+from gradckpt.planning.handlers import KindHandler, handler_for
+from gradckpt.planning.kinds.selective import PlanPolicy
 
 __all__ = [
     "PlanPolicy",
@@ -93,7 +93,7 @@ class UnitSpec:
 
     @property
     def handler(self) -> KindHandler:
-        """What the unit's decision kind does (see :mod:`gradckpt.plan.kinds`)."""
+        """What the unit's decision kind does (see :mod:`gradckpt.planning.kinds`)."""
         return handler_for(self.decision)
 
     @property

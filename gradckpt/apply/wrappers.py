@@ -143,7 +143,7 @@ class UnitForward:
                     "forward does not call the units in the planned order. Plan again."
                 )
             return run_segment_start(spec, unit, units, args, kwargs)
-        # The unit's own decision: its kind says how it runs (gradckpt.plan.kinds).
+        # The unit's own decision: its kind says how it runs (gradckpt.planning.kinds).
         return unit.handler.run(unit, args, kwargs, in_recompute=top is not None)
 
 
@@ -181,6 +181,11 @@ class RootGuard:
     if it has one (:mod:`gradckpt.apply.guard`).
     """
 
+    # The shape check; OpaqueRootGuard's is Dynamo-disabled, since under a compiled
+    # caller ``run`` is traced (only ``__call__``'s frame is skipped) and the
+    # check, which may plan a new shape, must run eagerly.
+    check = staticmethod(shape_guard.check)
+
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
         self.active = True  # False once removed while another wrapper still calls this one
@@ -205,7 +210,7 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        switched = shape_guard.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        switched = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
         if switched is not None and switched is not self:
             return switched(*args, **kwargs)  # the new plan's root runs this call
         depth = _stack_depth()
@@ -248,6 +253,8 @@ def make_opaque(forward: UnitForward | RootGuard) -> None:
     ):
         if "_gradckpt_disabled" not in cls.__dict__:
             cls.__call__ = torch.compiler.disable(base.__call__, recursive=recursive)
+            if cls is OpaqueRootGuard:
+                cls.check = staticmethod(torch.compiler.disable(shape_guard.check))
             cls._gradckpt_disabled = True
     if type(forward) is UnitForward:
         forward.__class__ = OpaqueUnitForward

@@ -13,7 +13,7 @@ are frozen dataclasses, so a decision is data: compared by value, hashed,
 written to a plan file by its ``kind`` name. JAX's names (``Saveable``,
 ``Offloadable``, ``Recompute``) and torch's ``CheckpointPolicy`` values map
 onto them. What each kind *does* in the planner and at run time is registered
-per kind in ``gradckpt.plan.kinds`` (one module per kind).
+per kind in ``gradckpt.planning.kinds`` (one module per kind).
 """
 
 from __future__ import annotations

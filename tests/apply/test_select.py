@@ -7,7 +7,7 @@ import torch
 
 import gradckpt
 from gradckpt.apply.select import candidate_plans, fastest_measured, pick_fastest
-from gradckpt.plan import Plan
+from gradckpt.planning import Plan
 from gradckpt.testing import make
 
 
