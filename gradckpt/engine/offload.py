@@ -22,7 +22,11 @@ unit call:
   keep it.
 
 The order of these events is recorded in :attr:`OffloadSession.events`
-(``("store"|"load"|"unpack", unit, detail)``) for tests and for ``explain``.
+(``("store"|"drop"|"load"|"unpack", unit, detail)``; "unpack" is a group's first)
+for tests. The forward stash is one group deep: a group's sources are dropped
+when the next offloaded unit's forward ends (its copy overlaps that compute);
+the last group's are still held when backward reaches it, and are used as they
+are (no copy back).
 
 Example:
     >>> session = OffloadSession(HostCopyBackend(), min_bytes=4096)
@@ -52,6 +56,8 @@ class _Entry:
     """One storage saved by a group: the sources until close, then a host ticket."""
 
     __slots__ = ("key", "nbytes", "sources", "flat", "ticket", "pending", "handles", "unpacked")
+    # ``flat`` is the storage as uint8 while it is on the device: the source until the
+    # group drops it, a reload buffer after a load, until every handle was unpacked.
 
     def __init__(self, key: int, t: torch.Tensor) -> None:
         self.key = key
@@ -83,7 +89,9 @@ class OffloadGroup:
         self.name = name
         self.exclude = exclude
         self.entries: dict[int, _Entry] = {}
-        self.state = "forward"  # -> "host" (after close) -> "loaded" (after first unpack)
+        # "forward" -> "stashed" (closed, copies started, sources held) -> "host" (sources
+        # dropped) -> "loaded" (a load started); or "stashed" -> "loaded" (cancelled).
+        self.state = "forward"
         self.offloaded_bytes = 0
         self.touched = False  # unpacked at least once
         self.__weakref__: Any
@@ -117,9 +125,9 @@ class OffloadGroup:
         """End of the unit's forward: move what is not part of the output out."""
         kept = {storage_key(t) for t in _tensors(output)}
         backend = self.session.backend
-        moving = []
         for entry in self.entries.values():
-            for t, version in entry.sources:
+            sources, entry.sources = entry.sources, []
+            for t, version in sources:
                 if t._version != version:
                     raise RuntimeError(
                         f"gradckpt offload: a tensor {self.name} saved for backward was "
@@ -127,26 +135,35 @@ class OffloadGroup:
                         "would fail its version check); do not offload this unit"
                     )
             if entry.key in kept:
-                continue  # part of the output: the sources stay as autograd would keep them
-            entry.sources = []
+                continue  # part of the output: it stays, as autograd would keep it
             entry.ticket = backend.store(entry.flat)
-            moving.append(entry)
             self.offloaded_bytes += entry.nbytes
-        for entry in moving:
-            backend.stored(entry.ticket)  # after this, the source may be reused
-            entry.flat = None
-        self.state = "host"
+        self.state = "stashed"
         self.session.closed(self)
 
+    def drop(self) -> None:
+        """The copies out are done (or waited for): drop the sources."""
+        for entry in self.entries.values():
+            if entry.ticket is not None:
+                self.session.backend.stored(entry.ticket)  # after this, the source may be reused
+                entry.flat = None
+        self.state = "host"
+        self.session.events.append(("drop", self.name, None))
+
+    def cancel(self) -> None:
+        """Backward reached this group while its sources were still held: use them."""
+        for entry in self.entries.values():
+            if entry.ticket is not None:
+                self.session.backend.discard(entry.ticket)
+                entry.ticket = None
+        self.state = "loaded"
+        self.session.events.append(("load", self.name, "still held"))
+
     def unpack(self, handle: Any) -> torch.Tensor:
+        self.session.before_unpack(self)
         if isinstance(handle, torch.Tensor):
             return handle
         entry = handle.entry
-        self.session.before_unpack(self)
-        if entry.ticket is None:  # never left the device
-            t = entry.sources[handle.index][0] if entry.sources else None
-            if t is not None:
-                return t
         if entry.flat is None:
             if entry.pending is None:
                 entry.pending = self.session.backend.load(entry.ticket)
@@ -190,27 +207,44 @@ class OffloadSession:
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.order: list[weakref.ref[OffloadGroup]] = []  # closed groups, forward order
+        self.stash: list[weakref.ref[OffloadGroup]] = []  # closed, sources still held
         self.events: list[tuple[str, str, Any]] = []
 
     def open(self, name: str, exclude: set[int]) -> OffloadGroup:
         return OffloadGroup(self, name, exclude)
 
     def closed(self, group: OffloadGroup) -> None:
+        """``group``'s copies started; the group before it may now drop its sources.
+
+        The forward stash is one group deep: a group's sources stay until the next
+        offloaded unit's forward ends, so its copy overlaps that compute.
+        """
+        self.events.append(("store", group.name, group.offloaded_bytes))
+        self._flush(keep=None)
         self.order = [r for r in self.order if r() is not None]
         self.order.append(weakref.ref(group))
+        self.stash = [weakref.ref(group)]
         weakref.finalize(group, _discard, group.entries, self.backend)
-        self.events.append(("store", group.name, group.offloaded_bytes))
+
+    def _flush(self, keep: OffloadGroup | None) -> None:
+        for ref in self.stash:
+            g = ref()
+            if g is not None and g.state == "stashed":
+                g.cancel() if g is keep else g.drop()
+        self.stash = []
 
     def before_unpack(self, group: OffloadGroup) -> None:
         if group.state == "forward":
             return
+        if self.stash:  # the backward has begun
+            self._flush(keep=group)
         if not group.touched:  # this group's backward begins
             group.touched = True
             if group.state == "host":
                 group.load("demand")
             if self.prefetch:
                 self._prefetch_before(group)
-        self.events.append(("unpack", group.name, None))
+            self.events.append(("unpack", group.name, None))
 
     def _prefetch_before(self, group: OffloadGroup) -> None:
         alive = [g for g in (r() for r in self.order) if g is not None]
