@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gradckpt.apply import guard as shape_guard
+from gradckpt.apply.offload import offload_runtime
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -84,6 +85,7 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     # only repeat it (and misfire on a shape run under a larger shape's plan).
     shapes = dict(plan.input_shapes) if shape_guard.guard_of(model) is None else {}
     specs: dict[str, UnitSpec] = {}
+    runtime = offload_runtime(plan)
 
     def visit(items: tuple, enclosing: list[SegmentSpec]) -> None:
         for item in items:
@@ -109,6 +111,8 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
                 item.path, module, plain, item.mode, policy, list(enclosing),
                 shapes.get(item.path),
             )  # fmt: skip
+            if item.mode == "offload" and not enclosing:
+                specs[item.path].offload = runtime
 
     visit(plan.items, [])
     return specs

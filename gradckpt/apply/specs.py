@@ -117,6 +117,7 @@ class UnitSpec:
     segments: list[SegmentSpec] = field(default_factory=list)  # outermost first
     expected_shape: tuple[int, ...] | None = None
     compiled: Callable[..., Any] | None = None  # a torch.compile'd ``plain``, if any
+    offload: Any = None  # the model's OffloadRuntime, for an ``offload`` unit
 
     @property
     def body(self) -> Callable[..., Any] | None:

@@ -144,7 +144,9 @@ class UnitForward:
                     "forward does not call the units in the planned order. Plan again."
                 )
             return run_segment_start(spec, unit, units, args, kwargs)
-        if unit.mode == "keep":
+        if unit.mode == "offload" and unit.offload is not None and top is None:
+            return unit.offload.run(unit, args, kwargs)
+        if unit.mode in ("keep", "offload"):  # offload inside a segment's recompute: keep
             if top is not None:
                 # A segment's recompute: run as its forward ran this unit.
                 return call_in_region(unit, args, kwargs)

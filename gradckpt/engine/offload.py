@@ -55,7 +55,7 @@ def storage_key(t: torch.Tensor) -> int:
 class _Entry:
     """One storage saved by a group: the sources until close, then a host ticket."""
 
-    __slots__ = ("key", "nbytes", "sources", "flat", "ticket", "pending", "handles", "unpacked")
+    __slots__ = ("flat", "handles", "key", "nbytes", "pending", "sources", "ticket", "unpacked")
     # ``flat`` is the storage as uint8 while it is on the device: the source until the
     # group drops it, a reload buffer after a load, until every handle was unpacked.
 
@@ -73,7 +73,7 @@ class _Entry:
 class _Saved:
     """What autograd holds instead of an offloaded tensor."""
 
-    __slots__ = ("group", "entry", "index", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("__weakref__", "dtype", "entry", "group", "index", "offset", "size", "stride")
 
     def __init__(self, group: OffloadGroup, entry: _Entry, t: torch.Tensor) -> None:
         self.group, self.entry, self.index = group, entry, entry.handles

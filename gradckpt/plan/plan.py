@@ -6,7 +6,11 @@ with a mode:
 * ``keep``: run plainly, autograd keeps what it needs;
 * ``recompute``: a checkpointed region (keeps its inputs only);
 * ``selective``: a region that also keeps the outputs of the ops at positions
-  ``save`` (their names in ``save_ops``, checked when applied).
+  ``save`` (their names in ``save_ops``, checked when applied);
+* ``offload``: run plainly, but what autograd saves inside the unit goes to
+  host memory after its forward and comes back ahead of its backward
+  (:mod:`gradckpt.engine.offload`; the link and host budget in ``Plan.offload``).
+  Only at the top level: inside a segment's recompute it runs as ``keep``.
 
 A :class:`Segment` groups consecutive units into one region that keeps only
 its first input; its ``items`` say how each unit runs while the segment is
@@ -24,6 +28,7 @@ from typing import Any, Union
 
 from gradckpt._versioned import check_header
 from gradckpt.plan.errors import PlanFormatError, check_plan_fields
+from gradckpt.plan.offload_cost import OffloadOptions
 
 __all__ = [
     "PLAN_VERSION",
@@ -36,7 +41,7 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-MODES = ("keep", "recompute", "selective")
+MODES = ("keep", "recompute", "selective", "offload")
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class Plan:
     #: Which peak the predictions (and the budget) are held at: "allocator" (what the
     #: allocator holds, kernel workspaces included) or "tensors" (op-created storages).
     peak_level: str = "tensors"
+    #: The link and host budget the plan's ``offload`` units were planned for (None: no
+    #: offload was considered).
+    offload: OffloadOptions | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -175,6 +183,13 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        if fields.get("offload") is not None:
+            try:
+                fields["offload"] = OffloadOptions.from_json(fields["offload"])
+            except (TypeError, ValueError) as e:
+                raise PlanFormatError(
+                    f"{source + ': ' if source else ''}malformed gradckpt plan: offload: {e}"
+                ) from None
         if fields.get("measured_overhead_range") is not None:
             fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])
         return cls(**fields)

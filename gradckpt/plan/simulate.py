@@ -13,6 +13,11 @@ would run the plan:
 * inside a segment's recompute, nested regions keep their inputs (and kept
   outputs) until their own recompute, which happens at their first unpack.
 
+Units the plan offloads (:mod:`gradckpt.plan.offload_sim`) run plainly, but
+their moved storages stop being held by their saved tensors once the stash
+drops them, and come back as reload buffers at the prefetch; the copies'
+stalls are added to the step time.
+
 Everything else (backward allocations, gradients, storages the plain step
 keeps) stays where the profile measured it.
 
@@ -35,6 +40,7 @@ import torch
 
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.plan.costs import engine_seconds, plan_counts, step_costs
+from gradckpt.plan.offload_sim import OffloadEffect, offload_effect
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profile.records import NEVER, Profile
 
@@ -59,6 +65,10 @@ class Prediction:
     peak_workspace_op: int = -1
     #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
     engine_time: float = 0.0
+    #: Seconds compute waits for offload copies (simulated link); in step_time.
+    offload_stall: float = 0.0
+    #: Bytes the plan's offloaded units hold in host memory at once (at the end of forward).
+    host_bytes: int = 0
 
 
 @dataclass
@@ -80,8 +90,8 @@ def _unit_index(profile: Profile) -> dict[str, int]:
 
 def _region(profile: Profile, item: UnitChoice | Segment, index: dict[str, int]) -> Region | None:
     if isinstance(item, UnitChoice):
-        if item.mode == "keep":
-            return None
+        if item.mode in ("keep", "offload"):
+            return None  # plain w.r.t. regions; offload's effect is applied separately
         unit = profile.units[index[item.path]]
         save = frozenset(unit.first_op + i for i in item.save)
         return Region([unit.index], unit.first_op, unit.end_op, save, frozenset(unit.inputs))
@@ -181,9 +191,17 @@ def _cpu_rng_bytes() -> int:
 
 
 class _Simulator:
-    def __init__(self, profile: Profile, regions: list[Region]) -> None:
+    def __init__(
+        self, profile: Profile, regions: list[Region], offload: OffloadEffect | None = None
+    ) -> None:
         self.p = profile
         self.regions = regions
+        self.offload = offload
+        # Moved storages stay live until the offload stash drops them.
+        self.dropped_at = {
+            sid: m.drop for m in (offload.units if offload else ()) if not m.held
+            for sid in m.storages
+        }  # fmt: skip
         self.line = _Line(cuda=profile.device == "cuda")
         self.rng_bytes = _cpu_rng_bytes() if profile.device == "cpu" else 0
         self.recompute_time = 0.0
@@ -233,11 +251,14 @@ class _Simulator:
                 self.line.add(s.nbytes, _at(s.alloc), None if s.free == NEVER else _at(s.free))
                 continue
             free = s.natural_free if s.natural_free != NEVER else s.free
+            moved = self.offload.moved_packs if self.offload is not None else frozenset()
             for pid in self.packs_of_storage.get(s.id, ()):
-                if pid not in top_of_pack:
+                if pid not in top_of_pack and pid not in moved:
                     free = max(free, p.packs[pid].release)
-            free = max(free, held_until.get(s.id, 0))
+            free = max(free, held_until.get(s.id, 0), self.dropped_at.get(s.id, 0))
             self.line.add(s.nbytes, _at(s.alloc), None if free >= NEVER else _at(free))
+        if self.offload is not None:
+            self.add_offload(self.offload)
         for op in p.ops:
             self.line.transient(op.workspace, _at(op.position), op.index)
         for region in self.regions:
@@ -247,6 +268,18 @@ class _Simulator:
             start = self.first_unpack(region)
             if start < NEVER:
                 self.recompute(region, start, 0, {})
+
+    def add_offload(self, effect: OffloadEffect) -> None:
+        """Moved storages come back as reload buffers at the prefetch, live until released."""
+        p = self.p
+        for m in effect.units:
+            if m.held:
+                continue
+            for sid in m.storages:
+                s = p.storages[sid]
+                releases = [p.packs[i].release for i in self.packs_of_storage[sid]
+                            if i in effect.moved_packs]  # fmt: skip
+                self.line.add(s.nbytes, _at(m.load), _at(max(releases)))
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
         p = self.p
@@ -306,14 +339,16 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         >>> pred = simulate(prof, plan)
         >>> pred.peak_bytes, pred.overhead
     """
-    sim = _Simulator(profile, regions_of(profile, plan))
+    effect = _offload(profile, plan)
+    sim = _Simulator(profile, regions_of(profile, plan), effect)
     sim.run()
     positions, lives = sim.line.trace()
     peak, where = max(zip(lives, positions), default=(0, (0,)), key=lambda e: e[0])
     workspace, op = sim.line.workspace_of.get(where, (0, -1))
     # The engine's own costs (issue #16): measured per event, counted per plan.
     engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
-    step_time = profile.step_time + sim.recompute_time + engine
+    stall = effect.stall if effect is not None else 0.0
+    step_time = profile.step_time + sim.recompute_time + engine + stall
     return Prediction(
         peak_bytes=profile.param_bytes + peak,
         step_time=step_time,
@@ -325,13 +360,21 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         peak_workspace_bytes=workspace,
         peak_workspace_op=op,
         engine_time=engine,
+        offload_stall=stall,
+        host_bytes=effect.host_bytes if effect is not None else 0,
     )
+
+
+def _offload(profile: Profile, plan: Plan) -> OffloadEffect | None:
+    if not any(u.mode == "offload" for u in plan.items if isinstance(u, UnitChoice)):
+        return None
+    return offload_effect(profile, plan, plan.offload)
 
 
 def live_trace(profile: Profile, plan: Plan) -> tuple[list[int], list[int], float]:
     """Event positions (plain-step coordinates, recompute events just before their
     trigger) and live created bytes after each event, plus the recompute time."""
-    sim = _Simulator(profile, regions_of(profile, plan))
+    sim = _Simulator(profile, regions_of(profile, plan), _offload(profile, plan))
     sim.run()
     positions, lives = sim.line.trace()
     return [p[0] for p in positions], lives, sim.recompute_time
