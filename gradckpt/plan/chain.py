@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 
 from gradckpt.plan.dp import Chain, Option, Stage
+from gradckpt.plan.offload_cost import OffloadOptions
+from gradckpt.plan.offload_sim import moved_storages, stage_stall
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.plan.simulate import live_trace
 from gradckpt.policies import MATMUL_OPS
@@ -38,6 +40,7 @@ class StageOption:
     mode: str
     save: tuple[int, ...] = ()
     save_ops: tuple[str, ...] = ()
+    moved: tuple[int, ...] = ()  # offload: the storages it moves to host memory
 
     def choice(self, path: str) -> UnitChoice:
         return UnitChoice(path, self.mode, self.save, self.save_ops)
@@ -52,6 +55,7 @@ class ChainModel:
     options: tuple[tuple[StageOption, ...], ...]
     unit_bytes: int
     base_bytes: int  # parameters and buffers: outside the grid
+    offload: OffloadOptions | None = None  # the link offload options were costed for
 
     def to_units(self, nbytes: int) -> int:
         """Memory left for the chain under a budget of ``nbytes``, in grid units (floor)."""
@@ -118,11 +122,12 @@ def candidate_sets(
 def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
     """Bytes the unit holds from its forward to its backward, besides its input and output."""
     inside = range(unit.first_op, unit.end_op)
-    if option.mode == "keep":
+    if option.mode in ("keep", "offload"):
         sids = {
             p.storage for p in look.packs.get(unit.index, ())
             if p.storage >= 0 and profile.storages[p.storage].producer in inside
         }  # fmt: skip
+        sids -= set(option.moved)  # what offload moves is off the device until backward
     elif option.mode == "selective":
         sids = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
     else:
@@ -136,7 +141,7 @@ def _own_forward_peak(
 ) -> int:
     """Peak of the unit's own storages during its forward (what it keeps is never freed)."""
     kept: set[int] = set()
-    if option.mode == "keep":
+    if option.mode in ("keep", "offload"):
         kept = {p.storage for p in look.packs.get(unit.index, ())}
     elif option.mode == "selective":
         kept = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
@@ -218,12 +223,19 @@ def _window_levels(positions: list[int], lives: list[int], window) -> tuple[int,
     return entering, max([entering, *lives[lo:hi]])
 
 
-def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
+def build_chain(
+    profile: Profile, grid: int | None = None, offload: OffloadOptions | None = None
+) -> ChainModel:
     """The DP chain for ``profile`` on a memory grid of ``grid`` steps up to the plain peak.
 
     The default grid has 1024 steps, and 8 per stage on deeper models: what a stage
     keeps is rounded to the grid and summed along the chain, so a block that keeps
     one or two steps would make the model miss by a quarter on 400 blocks.
+
+    With ``offload`` options, every block also gets an ``offload`` option (third
+    after keep and recompute): it holds what it does not move, its time adds the
+    copies' stall with the next unit's compute as the overlap windows, and it is
+    never chosen inside a segment's recompute.
 
     Example:
         >>> model = build_chain(prof)
@@ -237,6 +249,8 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
     stage_options: list[list[StageOption]] = []
     for u in units:
         options = [StageOption("keep"), StageOption("recompute")]
+        if u.is_block and offload is not None:
+            options.append(StageOption("offload", moved=moved_storages(profile, u, offload.min_bytes)))
         if u.is_block:
             options += candidate_sets(profile, u, look)
         stage_options.append(options)
@@ -266,6 +280,7 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
         plan = Plan(
             tuple(stage_options[i][k].choice(u.path) for i, (u, k) in enumerate(zip(units, index))),
             profile.fingerprint,
+            offload=offload,
         )
         positions, lives, _ = live_trace(profile, plan)
         held = 0
@@ -289,8 +304,10 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
         opts = []
         for k, option in enumerate(stage_options[i]):
             own = _own_forward_peak(profile, u, option, look)
-            recompute = 0.0
-            if option.mode != "keep":
+            recompute = 0.0  # or, for offload, the copies' stall
+            if option.mode == "offload":
+                recompute = stage_stall(profile, units, i, option.moved, offload)
+            elif option.mode != "keep":
                 cached = {u.first_op + j for j in option.save}
                 stop = _stop(profile, u, look)
                 recompute = sum(
@@ -301,7 +318,10 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
                     name=option.mode if option.mode != "selective" else f"selective{k - 1}",
                     kept=near(kept[i][k]),
                     fwd=fwd_need[i][k],
-                    fwd_nested=own + max(0, bstart_background[i]) - later[i],
+                    # Offload inside a segment's recompute would only move bytes back
+                    # and forth: out of reach there.
+                    fwd_nested=(own + max(0, bstart_background[i]) - later[i])
+                    if option.mode != "offload" else NEVER,
                     bwd=bwd_need[i][k] - later[i],
                     time=u.fwd_time + u.bwd_time + recompute,
                 )
@@ -325,4 +345,5 @@ def build_chain(profile: Profile, grid: int | None = None) -> ChainModel:
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,
         base_bytes=profile.param_bytes,
+        offload=offload,
     )

@@ -147,7 +147,7 @@ def unit_counts(profile: Profile, unit: UnitRecord, mode: str) -> EngineCounts:
     Example:
         >>> unit_counts(prof, prof.blocks[0], "selective").policy_ops
     """
-    if mode == "keep":
+    if mode in ("keep", "offload"):  # offload: no region (its hooks are not yet costed)
         return EngineCounts()
     packs = sum(1 for p in profile.packs if p.unit == unit.index)
     return EngineCounts(

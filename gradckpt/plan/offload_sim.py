@@ -34,11 +34,12 @@ from gradckpt.plan.offload_cost import (
     Wait,
     run_timeline,
     transfer_seconds,
+    unit_stall,
 )
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.profile.records import NEVER, Profile, UnitRecord
 
-__all__ = ["MovedUnit", "OffloadEffect", "moved_storages", "offload_effect"]
+__all__ = ["MovedUnit", "OffloadEffect", "moved_storages", "offload_effect", "stage_stall"]
 
 
 def moved_storages(profile: Profile, unit: UnitRecord, min_bytes: int) -> tuple[int, ...]:
@@ -166,3 +167,29 @@ def _stalls(profile: Profile, units: list[MovedUnit]) -> tuple[float, dict[str, 
     for (_, path), late in timeline.waits.items():
         by_unit[path] = by_unit.get(path, 0.0) + late
     return timeline.stall, by_unit
+
+
+def stage_stall(
+    profile: Profile,
+    units: tuple[UnitRecord, ...],
+    i: int,
+    moved: tuple[int, ...],
+    options: OffloadOptions | None,
+) -> float:
+    """The chain DP's stall estimate for offloading ``units[i]`` alone (:func:`unit_stall`).
+
+    Its copies overlap the next unit's forward (out) and backward (back); the last
+    unit's sources are still held when backward reaches it (no copy back).
+
+    Example:
+        >>> stage_stall(prof, blocks, 0, moved_storages(prof, blocks[0], 4096), options)
+    """
+    options = options or OffloadOptions()
+    nbytes = sum(profile.storages[s].nbytes for s in moved)
+    d2h = transfer_seconds(nbytes, len(moved), options.d2h_bandwidth, options.transfer_latency)
+    if i + 1 >= len(units):
+        return 0.0  # held into backward: the copy out overlaps the rest of the step
+    h2d = transfer_seconds(nbytes, len(moved), options.h2d_bandwidth, options.transfer_latency)
+    after = units[i + 1]
+    bwd_window = after.bwd_time if options.prefetch else 0.0
+    return unit_stall(d2h, h2d, after.fwd_time, bwd_window)

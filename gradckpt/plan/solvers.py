@@ -185,7 +185,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         capacity = model.chain.capacity
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
             m = min(max(m, least), capacity)
-            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
             if plan.items in tried:
                 continue
             tried.add(plan.items)

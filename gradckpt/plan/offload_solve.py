@@ -1,0 +1,184 @@
+"""Plan with offload: keep, recompute or offload per block, under a device and a host budget.
+
+The chain DP (:mod:`gradckpt.plan.dp`) chooses among each block's options,
+offload among them (:func:`gradckpt.plan.chain.build_chain` with options), so
+the three decisions are made jointly under the device budget. The host budget
+is a second resource the DP's one memory axis does not hold; it is priced
+instead (a Lagrangian): each offloaded byte costs ``price`` seconds, raised
+until the plan's host bytes fit. The result is then compared with the plan
+made without offload, and the faster of those that fit is returned, so offload
+never makes a plan slower than the DP's own.
+
+Example:
+    >>> plan = solve_offload(prof, 600 << 20, OffloadOptions(host_budget=2 << 30))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from gradckpt.plan.budget import BudgetError
+from gradckpt.plan.chain import ChainModel, build_chain
+from gradckpt.plan.costs import with_engine_costs
+from gradckpt.plan.dp import Chain, ChainDP, Tree
+from gradckpt.plan.offload_cost import OffloadOptions
+from gradckpt.plan.plan import Plan
+from gradckpt.plan.simulate import simulate
+from gradckpt.plan.solvers import solve_dp
+from gradckpt.profile.records import Profile
+
+__all__ = ["host_bytes_of", "priced_chain", "solve_chain_priced", "solve_offload"]
+
+_DOUBLINGS = 24
+_BISECTIONS = 6
+
+
+def priced_chain(chain: Chain, host: Sequence[Sequence[int]], price: float) -> Chain:
+    """``chain`` with ``price`` seconds added per host byte of each option (``host[stage][k]``).
+
+    Example:
+        >>> priced_chain(chain, [[0, 0, 4096]], 1e-9).stages[0].options[2].time
+    """
+    if price == 0:
+        return chain
+    stages = tuple(
+        replace(st, options=tuple(
+            replace(o, time=o.time + price * h) for o, h in zip(st.options, host[i])
+        ))  # fmt: skip
+        for i, st in enumerate(chain.stages)
+    )
+    return replace(chain, stages=stages)
+
+
+def host_bytes_of(tree: Tree, host: Sequence[Sequence[int]]) -> int:
+    """Host bytes a schedule holds: its top-level units' options (segments run nothing offloaded).
+
+    Example:
+        >>> host_bytes_of([("unit", 0, 2), ("unit", 1, 0)], [[0, 0, 4096], [0, 0, 4096]])
+        4096
+    """
+    return sum(host[node[1]][node[2]] for node in tree if node[0] == "unit")
+
+
+def _prices(scale: float):
+    """0, then ``scale`` doubled until the host budget holds."""
+    yield 0.0
+    for k in range(_DOUBLINGS):
+        yield scale * 2.0**k
+
+
+def solve_chain_priced(
+    chain: Chain, host: Sequence[Sequence[int]], m: int, host_budget: int | None
+) -> tuple[Tree, float] | None:
+    """The DP's schedule within ``m`` units whose host bytes fit ``host_budget``, by pricing.
+
+    Returns (schedule, its unpriced time), or None when nothing fits. Exact when
+    the host budget does not bind; otherwise the least price that makes it hold,
+    refined by bisection (a Lagrangian: feasible, not always optimal).
+
+    Example:
+        >>> tree, seconds = solve_chain_priced(chain, host, 100, host_budget=1 << 20)
+    """
+    total_time = sum(max(o.time for o in st.options) for st in chain.stages) or 1.0
+    total_host = sum(max(h) for h in host) or 1
+    scale = total_time / total_host
+
+    def attempt(price: float) -> tuple[Tree, float, int] | None:
+        dp = ChainDP(priced_chain(chain, host, price))
+        if not math.isfinite(dp.best_time(m)):
+            return None
+        tree = dp.schedule(m)
+        from gradckpt.plan.brute import evaluate
+
+        _, seconds = evaluate(chain, tree)
+        return tree, seconds, host_bytes_of(tree, host)
+
+    low, best = 0.0, None
+    for price in _prices(scale):
+        found = attempt(price)
+        if found is None:
+            return None
+        if host_budget is None or found[2] <= host_budget:
+            best, high = found, price
+            break
+        low = price
+    if best is None:
+        return None
+    for _ in range(_BISECTIONS if high > 0 else 0):
+        mid = (low + high) / 2
+        found = attempt(mid)
+        if found is not None and found[2] <= host_budget:  # type: ignore[operator]
+            high = mid
+            if found[1] < best[1]:
+                best = found
+        else:
+            low = mid
+    return best[0], best[1]
+
+
+def _host_table(model: ChainModel, profile: Profile) -> list[list[int]]:
+    return [
+        [sum(profile.storages[s].nbytes for s in o.moved) for o in opts] for opts in model.options
+    ]
+
+
+def _priced_model(model: ChainModel, host: list[list[int]], price: float) -> ChainModel:
+    return replace(model, chain=priced_chain(model.chain, host, price))
+
+
+def solve_offload(
+    profile: Profile, budget: int, options: OffloadOptions, *, segments: bool = True
+) -> Plan:
+    """The fastest plan within ``budget`` device bytes and ``options.host_budget`` host bytes.
+
+    Raises :class:`BudgetError` when no plan fits the device budget.
+
+    Example:
+        >>> plan = solve_offload(prof, 600 << 20, OffloadOptions())
+    """
+    candidates: list[Plan] = []
+    error: BudgetError | None = None
+    try:
+        candidates.append(solve_dp(profile, budget, segments=segments))
+    except BudgetError as e:
+        error = e
+    model = with_engine_costs(build_chain(profile, offload=options), profile)
+    host = _host_table(model, profile)
+    limit = options.host_budget
+    scale = profile.step_time / max(1, sum(max(h) for h in host))
+
+    def attempt(price: float) -> Plan | None:
+        try:
+            plan = solve_dp(profile, budget, model=_priced_model(model, host, price), segments=segments)
+        except BudgetError:
+            return None
+        return plan
+
+    low, high, found = 0.0, None, None
+    for price in _prices(scale):
+        plan = attempt(price)
+        if plan is None:
+            break
+        if limit is None or simulate(profile, plan).host_bytes <= limit:
+            found, high = plan, price
+            break
+        low = price
+    if found is not None and high:
+        for _ in range(_BISECTIONS):
+            mid = (low + high) / 2
+            plan = attempt(mid)
+            if plan is not None and simulate(profile, plan).host_bytes <= limit:  # type: ignore[operator]
+                high = mid
+                if plan.predicted_step_time < found.predicted_step_time:
+                    found = plan
+            else:
+                low = mid
+    if found is not None:
+        candidates.append(found)
+    if not candidates:
+        assert error is not None
+        raise error
+    best = min(candidates, key=lambda p: p.predicted_step_time)
+    return replace(best, offload=options)
