@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from gradckpt.plan.brute import evaluate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import ChainModel, build_chain
 from gradckpt.plan.costs import with_engine_costs
@@ -43,13 +44,11 @@ def priced_chain(chain: Chain, host: Sequence[Sequence[int]], price: float) -> C
     """
     if price == 0:
         return chain
-    stages = tuple(
-        replace(st, options=tuple(
-            replace(o, time=o.time + price * h) for o, h in zip(st.options, host[i])
-        ))  # fmt: skip
-        for i, st in enumerate(chain.stages)
-    )
-    return replace(chain, stages=stages)
+    stages = []
+    for st, row in zip(chain.stages, host):
+        options = tuple(replace(o, time=o.time + price * h) for o, h in zip(st.options, row))
+        stages.append(replace(st, options=options))
+    return replace(chain, stages=tuple(stages))
 
 
 def host_bytes_of(tree: Tree, host: Sequence[Sequence[int]]) -> int:
@@ -90,8 +89,6 @@ def solve_chain_priced(
         if not math.isfinite(dp.best_time(m)):
             return None
         tree = dp.schedule(m)
-        from gradckpt.plan.brute import evaluate
-
         _, seconds = evaluate(chain, tree)
         return tree, seconds, host_bytes_of(tree, host)
 
