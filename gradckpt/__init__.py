@@ -28,6 +28,7 @@ from gradckpt.plan import Plan, Segment, UnitChoice, simulate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.errors import PlanFormatError
 from gradckpt.plan.explain import explain
+from gradckpt.plan.offload_cost import OffloadOptions
 from gradckpt.plan.planset import PlanSet
 from gradckpt.profile import Profile
 
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "Decision",
     "FrontierPoint",
+    "OffloadOptions",
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",

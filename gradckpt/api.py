@@ -18,6 +18,7 @@ from gradckpt.plan.budget import BudgetError, check_budget, parse_budget
 from gradckpt.plan.chain import build_chain
 from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
+from gradckpt.plan.offload_cost import OffloadOptions, offload_options
 from gradckpt.plan.plan import Plan, Segment
 from gradckpt.plan.planset import PlanSet, ShapeKey
 from gradckpt.plan.simulate import simulate
@@ -97,6 +98,16 @@ def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
         return profile_step(model, loss_fn, **options)
 
 
+def _offload_for(offload: object, solver: object) -> OffloadOptions | None:
+    """``offload=`` checked and as options (None: off)."""
+    options = offload_options(offload)
+    if options is not None and solver != "dp":
+        raise ValueError(
+            f"offload= works with solver='dp' (the baselines only recompute); got solver={solver!r}"
+        )
+    return options
+
+
 def _profile(
     model: nn.Module, loss_fn: LossFn, blocks: BlockSpec, repeats: int, given: Profile | None
 ) -> Profile:
@@ -118,6 +129,7 @@ def plan(
     shapes: Sequence[Any] | None = None,
     loss_from: replan.LossFrom | None = None,
     seq_dim: int = 1,
+    offload: bool | OffloadOptions = False,
 ) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
@@ -139,6 +151,10 @@ def plan(
             profiled under fake tensors, see :mod:`gradckpt.replan`.
         loss_from: with ``shapes``, how a model call's output becomes the loss.
         seq_dim: with integer ``shapes``, the inputs' sequence dimension.
+        offload: also consider moving blocks' saved tensors to host memory (the DP
+            chooses keep, recompute or offload per block): True (a 25 GB/s link, no
+            host budget) or :class:`gradckpt.OffloadOptions` (bandwidth, host budget,
+            min bytes). On CPU the time it costs is simulated from that bandwidth.
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
@@ -154,13 +170,15 @@ def plan(
     """
     _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
+    options = _offload_for(offload, solver)
     if shapes is None:
         prof = _profile(model, loss_fn, blocks, repeats, profile)
         return solve(
-            prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments
-        )
+            prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments,
+            offload=options,
+        )  # fmt: skip
     fitted, first, _ = _plan_fitted(
-        model, loss_fn, budget, blocks, solver, repeats, profile, segments
+        model, loss_fn, budget, blocks, solver, repeats, profile, segments, offload=options
     )
     if fitted is None:
         raise ValueError(
@@ -169,8 +187,9 @@ def plan(
         )
     plans = {fitted.key: first}
     planner = _planner(
-        model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim
-    )
+        model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
+        offload=options,
+    )  # fmt: skip
     for call in replan.calls_for(fitted, shapes, seq_dim):
         if call.key not in plans:
             plans[call.key] = _plan_shape(planner, call)
@@ -190,6 +209,7 @@ def _plan_fitted(
     given: Profile | None,
     segments: bool,
     measure_candidates: int = 0,
+    offload: OffloadOptions | None = None,
 ) -> tuple[replan.Call | None, Plan, Profile]:
     """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile.
 
@@ -204,7 +224,7 @@ def _plan_fitted(
         # a segment opens only inside that forward, so plan unit by unit.
         segments = False
     budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
-    chosen = solve(prof, budget_bytes, solver, segments=segments)
+    chosen = solve(prof, budget_bytes, solver, segments=segments, offload=offload)
     measured = measure_candidates and not prof.fake
     if measured:
         from gradckpt.apply.select import fastest_measured
@@ -219,7 +239,7 @@ def _plan_fitted(
                 recording()  # only to see the call's shapes; nothing is allocated
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = solve(prof, budget_bytes, solver, segments=False)
+            chosen = solve(prof, budget_bytes, solver, segments=False, offload=offload)
     # None: the step never calls the model's own forward, so no call's shape to guard.
     return (calls[0] if calls else None), chosen, prof
 
@@ -234,6 +254,7 @@ def _planner(
     loss_from: replan.LossFrom | None,
     seq_dim: int,
     rescale: bool = True,
+    offload: OffloadOptions | None = None,
 ) -> replan.ShapePlanner:
     assert budget_bytes is not None
 
@@ -241,7 +262,7 @@ def _planner(
         return profile(model, step, blocks=blocks, fake=True)
 
     def solve_profile(prof: Profile) -> Plan:
-        return solve(prof, budget_bytes, solver, segments=segments)
+        return solve(prof, budget_bytes, solver, segments=segments, offload=offload)
 
     return replan.ShapePlanner(
         model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale
@@ -302,6 +323,7 @@ def fit(
     profile: Profile | None = None,
     segments: bool = True,
     compile: bool | dict[str, Any] = False,
+    offload: bool | OffloadOptions = False,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
@@ -335,7 +357,7 @@ def fit(
             about what profiling costs. The plan records ``measured_overhead`` next
             to ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
-        blocks, solver, repeats, profile, segments: as for :func:`plan`.
+        blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
         compile: True or ``torch.compile`` arguments: run the plan inside one
             compiled graph (:func:`gradckpt.compile`; plans then have no
             segments). A call at a new shape reinstalls the eager plan for it.
@@ -358,6 +380,12 @@ def fit(
         profile=profile,
         segments=segments,
     )  # before the model is touched; fmt: skip
+    options = _offload_for(offload, solver)
+    if options is not None and compile:
+        raise ValueError(
+            "gradckpt: offload= and compile= cannot be combined yet (offload runs on the "
+            "eager engine's saved-tensor hooks); drop one of them"
+        )
     if on_new_shape not in shape_guard.POLICIES:
         raise ValueError(
             f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
@@ -373,8 +401,9 @@ def fit(
         )
     with integrations.training(model):  # transformers: use_cache off for training, said once
         fitted, chosen, _ = _plan_fitted(
-            model, loss_fn, budget, blocks, solver, repeats, profile, segments, measure_candidates
-        )
+            model, loss_fn, budget, blocks, solver, repeats, profile, segments, measure_candidates,
+            offload=options,
+        )  # fmt: skip
         if fitted is None:
             warnings.warn(
                 f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so "
@@ -386,7 +415,7 @@ def fit(
             return chosen
         planner = _planner(
             model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
-            rescale,
+            rescale, offload=options,
         )  # fmt: skip
         plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
         for call in replan.calls_for(fitted, shapes or (), seq_dim):
@@ -418,14 +447,20 @@ def frontier(
     blocks: BlockSpec = None,
     repeats: int = 3,
     profile: Profile | None = None,
+    offload: bool | OffloadOptions = False,
 ) -> list[FrontierPoint]:
     """The memory-time Pareto curve, from the least feasible peak to the plain step.
+
+    With ``offload``, the plans that also offload blocks join the candidates
+    (planned at each candidate's peak), so the curve is at or below the one
+    without offload everywhere.
 
     Example:
         >>> for point in gradckpt.frontier(model, loss_fn):
         ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
     """
     _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
+    options = _offload_for(offload, "dp")
     prof = _profile(model, loss_fn, blocks, repeats, profile)
     chain = with_engine_costs(build_chain(prof), prof)
     dp = ChainDP(chain.chain)
@@ -443,6 +478,14 @@ def frontier(
             continue
         done, pred = finish(prof, candidate, None, "dp")
         seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
+    if options is not None:
+        from gradckpt.plan.offload_solve import offload_candidates
+
+        budgets = sorted({point.peak_bytes for point in seen.values()})
+        for candidate in offload_candidates(prof, options, budgets):
+            if candidate.items not in seen:
+                done, pred = finish(prof, candidate, None, "dp")
+                seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
     pareto: list[FrontierPoint] = []
     for point in sorted(seen.values(), key=lambda p: (p.peak_bytes, p.overhead)):
         if not pareto or point.overhead < pareto[-1].overhead:

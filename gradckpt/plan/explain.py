@@ -63,7 +63,7 @@ def human_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-STATUSES = ("kept", "region input", "selective", "recomputed")
+STATUSES = ("kept", "region input", "selective", "recomputed", "offloaded")
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,7 @@ class Explanation:
             f"({sum(r.kept for r in self.rows)} storages)",
             f"bytes recomputed in backward: {human_bytes(self.recomputed_bytes)} "
             f"({sum(not r.kept for r in self.rows)} storages)",
+            *self._offloaded_line(),
             f"saved parameters and inputs (not counted, they exist anyway): "
             f"{self.pre_existing_saved}",
             self.peak.describe(),
@@ -231,6 +232,14 @@ class Explanation:
 
     def __str__(self) -> str:
         return self.table()
+
+    def _offloaded_line(self) -> list[str]:
+        moved = [r for r in self.rows if r.status == "offloaded"]
+        if not moved:
+            return []
+        total = human_bytes(sum(r.nbytes for r in moved))
+        return [f"of which offloaded to host between forward and backward: {total} "
+                f"({len(moved)} storages)"]  # fmt: skip
 
 
 def format_shape(shape: tuple[int, ...] | None) -> str:
@@ -250,6 +259,7 @@ def explain(
     *,
     budget: int | float | str | None = None,
     blocks: Any = None,
+    offload: Any = False,
 ) -> Explanation:
     """Every storage the step keeps for backward, why, the totals and the peak.
 
@@ -260,6 +270,8 @@ def explain(
             the plan :func:`gradckpt.apply` installed on it).
         budget: instead of ``plan``, plan for this budget first (see :func:`gradckpt.plan`).
         blocks: block paths or predicate, passed to the profiler.
+        offload: with ``budget``, plan with offload too (see :func:`gradckpt.plan`);
+            offloaded units say what moves, when, and what the link costs.
 
     Returns:
         An :class:`Explanation`: ``rows``, ``units``, ``kept_bytes``, ``recomputed_bytes``,
@@ -281,9 +293,11 @@ def explain(
         prof = profile(model_or_profile, loss_fn, blocks=blocks, repeats=1)
     if plan is None and budget is not None:
         from gradckpt.plan.budget import parse_budget
+        from gradckpt.plan.offload_cost import offload_options
         from gradckpt.plan.solvers import solve
 
-        plan = solve(prof, parse_budget(budget, prof.measured_peak_bytes))
+        budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
+        plan = solve(prof, budget_bytes, offload=offload_options(offload))
     return _explain(prof, plan)
 
 
@@ -320,6 +334,10 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
             out[item.path] = f"in {segment}, {mode} there" if segment else mode
 
     visit(plan.items, "")
+    if any(getattr(item, "mode", "") == "offload" for item in plan.items):
+        from gradckpt.plan.offload_sim import describe_offload
+
+        out.update(describe_offload(prof, plan))
     return out
 
 
@@ -345,6 +363,7 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     def path(unit: int) -> str:
         return prof.units[unit].path if unit >= 0 else OUTSIDE
 
+    moved = _moved(prof, plan)
     rows: list[tuple[int, SavedStorage]] = []
     for sid in sorted(set(packs_of) | set(input_of) | set(kept_output_of)):
         storage = prof.storages[sid]
@@ -357,6 +376,8 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
                 why = "saved outside every unit (the loss or glue code): kept"
             elif not prof.units[unit].plannable:
                 why = f"{path(unit)} runs {prof.units[unit].calls} times: kept (not plannable)"
+            elif sid in moved:
+                status, why = "offloaded", moved[sid]
             else:
                 why = f"{path(unit)} runs plainly: kept"
         elif sid in input_of:
@@ -392,6 +413,24 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
         pre_existing_saved=pre_existing, peak=_peak(prof, pred, regions, ordered),
         plain_peak_bytes=prof.measured_peak_bytes, plan=plan,
     )  # fmt: skip
+
+
+def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
+    """Storage id -> why, for what the plan's offloaded units move to host memory."""
+    if plan is None or not any(getattr(i, "mode", "") == "offload" for i in plan.items):
+        return {}
+    from gradckpt.plan.offload_sim import offload_effect
+
+    effect = offload_effect(prof, plan, plan.offload)
+    units = list(effect.units)
+    out = {}
+    for i, m in enumerate(units):
+        if m.held:
+            continue
+        back = units[i + 1].path if m.load != m.need else m.path
+        for sid in m.storages:
+            out[sid] = f"offloaded to host after {m.path}'s forward, back at {back}'s backward"
+    return out
 
 
 def _input_shape(prof: Profile, sid: int) -> tuple[int, ...] | None:

@@ -39,7 +39,14 @@ from gradckpt.plan.offload_cost import (
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.profile.records import NEVER, Profile, UnitRecord
 
-__all__ = ["MovedUnit", "OffloadEffect", "moved_storages", "offload_effect", "stage_stall"]
+__all__ = [
+    "MovedUnit",
+    "OffloadEffect",
+    "describe_offload",
+    "moved_storages",
+    "offload_effect",
+    "stage_stall",
+]
 
 
 def moved_storages(profile: Profile, unit: UnitRecord, min_bytes: int) -> tuple[int, ...]:
@@ -193,3 +200,31 @@ def stage_stall(
     after = units[i + 1]
     bwd_window = after.bwd_time if options.prefetch else 0.0
     return unit_stall(d2h, h2d, after.fwd_time, bwd_window)
+
+
+def describe_offload(profile: Profile, plan: Plan) -> dict[str, str]:
+    """Per offloaded unit: what moves, when, and the stall the link costs (for ``explain``).
+
+    Example:
+        >>> describe_offload(prof, plan)["blocks.0"]
+    """
+    effect = offload_effect(profile, plan, plan.offload)
+    units = list(effect.units)
+    out = {}
+    for i, m in enumerate(units):
+        moved = f"{len(m.storages)} storage(s), {m.nbytes / 2**20:.2f} MiB"
+        stall = effect.stall_by_unit.get(m.path, 0.0)
+        if m.held:
+            out[m.path] = (
+                f"offload: {moved} copied out after its forward; still held when backward "
+                f"reaches it (no copy back); out {m.d2h_seconds * 1e3:.3f} ms"
+            )
+            continue
+        after = units[i + 1].path
+        when = f"when {after}'s backward begins" if m.load != m.need else "at its own backward"
+        out[m.path] = (
+            f"offload: {moved} out after its forward, freed when {after}'s forward ends, back "
+            f"{when}; out {m.d2h_seconds * 1e3:.3f} ms, back {m.h2d_seconds * 1e3:.3f} ms, "
+            f"compute waits {stall * 1e3:.3f} ms (simulated link)"
+        )
+    return out

@@ -30,7 +30,13 @@ from gradckpt.plan.simulate import simulate
 from gradckpt.plan.solvers import solve_dp
 from gradckpt.profile.records import Profile
 
-__all__ = ["host_bytes_of", "priced_chain", "solve_chain_priced", "solve_offload"]
+__all__ = [
+    "host_bytes_of",
+    "offload_candidates",
+    "priced_chain",
+    "solve_chain_priced",
+    "solve_offload",
+]
 
 _DOUBLINGS = 24
 _BISECTIONS = 6
@@ -126,8 +132,9 @@ def _priced_model(model: ChainModel, host: list[list[int]], price: float) -> Cha
 
 
 def solve_offload(
-    profile: Profile, budget: int, options: OffloadOptions, *, segments: bool = True
-) -> Plan:
+    profile: Profile, budget: int, options: OffloadOptions, *, segments: bool = True,
+    model: ChainModel | None = None,
+) -> Plan:  # fmt: skip
     """The fastest plan within ``budget`` device bytes and ``options.host_budget`` host bytes.
 
     Raises :class:`BudgetError` when no plan fits the device budget.
@@ -141,7 +148,7 @@ def solve_offload(
         candidates.append(solve_dp(profile, budget, segments=segments))
     except BudgetError as e:
         error = e
-    model = with_engine_costs(build_chain(profile, offload=options), profile)
+    model = model or with_engine_costs(build_chain(profile, offload=options), profile)
     host = _host_table(model, profile)
     limit = options.host_budget
     scale = profile.step_time / max(1, sum(max(h) for h in host))
@@ -179,3 +186,24 @@ def solve_offload(
         raise error
     best = min(candidates, key=lambda p: p.predicted_step_time)
     return replace(best, offload=options)
+
+
+def offload_candidates(
+    profile: Profile, options: OffloadOptions, budgets: Sequence[int], *, most: int = 12
+) -> list[Plan]:
+    """Plans made with offload at up to ``most`` of ``budgets`` (spread evenly), for a frontier.
+
+    Example:
+        >>> offload_candidates(prof, OffloadOptions(), [400 << 20, 600 << 20])
+    """
+    budgets = sorted(set(budgets))
+    if len(budgets) > most:
+        budgets = [budgets[round(i * (len(budgets) - 1) / (most - 1))] for i in range(most)]
+    model = with_engine_costs(build_chain(profile, offload=options), profile)
+    plans = []
+    for budget in budgets:
+        try:
+            plans.append(solve_offload(profile, budget, options, model=model))
+        except BudgetError:
+            continue
+    return plans

@@ -17,7 +17,7 @@ _LEVELS = {
 }
 
 
-def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
+def _lines(items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool]) -> list[str]:
     from gradckpt.plan.plan import Segment
 
     out = []
@@ -25,13 +25,40 @@ def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
     for item in items:
         if isinstance(item, Segment):
             out.append(f"{pad}segment {item.paths[0]} .. {item.paths[-1]} (keeps its input)")
-            out.extend(_lines(item.items, depth + 1))
+            out.extend(_lines(item.items, depth + 1, offloaded))
         elif item.mode == "selective":
             kept = ", ".join(n.replace("aten.", "") for n in item.save_ops)
             out.append(f"{pad}{item.path:<28} selective  keeps: {kept}")
+        elif item.mode == "offload" and depth == 1:
+            out.append(f"{pad}{item.path:<28} offload    {_offload_when(item.path, *offloaded)}")
         else:
             out.append(f"{pad}{item.path:<28} {item.mode}")
     return out
+
+
+def _offload_when(path: str, offloaded: list[str], prefetch: bool) -> str:
+    """When an offloaded unit's saved tensors move (the engine's order, see engine.offload)."""
+    i = offloaded.index(path)
+    if i + 1 == len(offloaded):
+        return "saved tensors copied out after its forward; still held when backward reaches it"
+    after = offloaded[i + 1]
+    back = f"when {after}'s backward begins" if prefetch else "at its own backward"
+    return f"saved tensors out after its forward (freed when {after}'s ends), back {back}"
+
+
+def _offload_head(plan: Plan) -> list[str]:
+    from gradckpt.plan.offload_cost import OffloadOptions
+
+    units = [u for u in plan.items if getattr(u, "mode", "") == "offload"]
+    if not units:
+        return []
+    o = plan.offload or OffloadOptions()
+    host = "no host budget" if o.host_budget is None else f"host budget {format_bytes(o.host_budget)}"
+    return [
+        f"  offload: {len(units)} unit(s) to host memory over {o.d2h_bandwidth / 1e9:g} GB/s out, "
+        f"{o.h2d_bandwidth / 1e9:g} GB/s back (stated, not measured), {host}; "
+        "gradckpt.explain gives the bytes and stalls"
+    ]
 
 
 def plan_summary(plan: Plan) -> str:
@@ -52,4 +79,7 @@ def plan_summary(plan: Plan) -> str:
         f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
         for path, calls in plan.not_planned
     ]
-    return "\n".join(head + _lines(plan.items, 1) + shared)
+    prefetch = plan.offload.prefetch if plan.offload is not None else True
+    offloaded = ([u.path for u in plan.items if getattr(u, "mode", "") == "offload"], prefetch)
+    lines = _lines(plan.items, 1, offloaded)
+    return "\n".join(head + _offload_head(plan) + lines + shared)

@@ -19,6 +19,7 @@ from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
 from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP, Tree
+from gradckpt.plan.offload_cost import OffloadOptions
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
 from gradckpt.plan.simulate import Prediction, simulate
@@ -322,12 +323,14 @@ SOLVERS: dict[str, Solver] = {
 
 
 def solve(
-    profile: Profile, budget: int, solver: str | Solver = "dp", *, segments: bool = True
-) -> Plan:
+    profile: Profile, budget: int, solver: str | Solver = "dp", *, segments: bool = True,
+    offload: OffloadOptions | None = None,
+) -> Plan:  # fmt: skip
     """Run a solver by name (see ``SOLVERS``) or a solver callable.
 
     ``segments=False`` forbids multi-unit regions: the DP does not make them,
-    and a baseline that does (``sqrt``) is refused.
+    and a baseline that does (``sqrt``) is refused. ``offload``: the DP may also
+    offload blocks over that link (:mod:`gradckpt.plan.offload_solve`).
     """
     if not _plannable(profile):
         raise ValueError(
@@ -350,6 +353,10 @@ def solve(
         chosen = _fit(profile, chosen, budget, name)
     elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    elif solver == "dp" and offload is not None:
+        from gradckpt.plan.offload_solve import solve_offload  # it builds on solve_dp
+
+        chosen = solve_offload(profile, budget, offload, segments=segments)
     elif solver == "dp":
         chosen = solve_dp(profile, budget, segments=segments)
     else:
