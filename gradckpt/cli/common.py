@@ -157,15 +157,41 @@ def least_peak(prof: Profile) -> int:
     return least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
 
 
-def plan_for(prof: Profile, budget: int | float | str, solver: str, name: str) -> Plan:
+def offload_from_args(args: Any) -> Any:
+    """``--offload [GB/S]`` and ``--host-budget`` as OffloadOptions (None without --offload)."""
+    from gradckpt.plan.budget import parse_budget
+    from gradckpt.plan.offload_cost import OffloadOptions
+
+    gbps = getattr(args, "offload", None)
+    host = getattr(args, "host_budget", None)
+    if gbps is None:
+        if host is not None:
+            raise CliError("--host-budget needs --offload")
+        return None
+    if not gbps > 0:
+        raise CliError(f"--offload takes a positive link speed in GB/s, got {gbps}")
+    if host is not None and (isinstance(host, float) or host == "least"):
+        raise CliError("--host-budget takes bytes with units (e.g. 8GiB), not a fraction")
+    try:
+        budget = parse_budget(host, 0) if host is not None else None
+        return OffloadOptions(d2h_bandwidth=gbps * 1e9, h2d_bandwidth=gbps * 1e9, host_budget=budget)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def plan_for(
+    prof: Profile, budget: int | float | str, solver: str, name: str, offload: Any = None
+) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
     from gradckpt.plan.budget import BudgetError, parse_budget
     from gradckpt.plan.solvers import solve
 
     least = least_peak(prof) if budget == "least" else None
     nbytes = least if least is not None else parse_budget(budget, prof.measured_peak_bytes)
+    if offload is not None and solver != "dp":
+        raise CliError("--offload works with --solver dp (the baselines only recompute)")
     try:
-        return solve(prof, nbytes, solver)
+        return solve(prof, nbytes, solver, offload=offload)
     except BudgetError as e:
         least = e.least_peak_bytes if solver == "dp" else least_peak(prof)
         raise CliError(
@@ -183,7 +209,7 @@ def describe_plan(plan: Plan) -> str:
     from gradckpt.plan.plan import Segment, iter_units
 
     units = list(iter_units(plan.items))
-    counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective")}
+    counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective", "offload")}
     parts = [f"{n} {m}" for m, n in counts.items() if n]
     segments = sum(isinstance(i, Segment) for i in plan.items)
     if segments:

@@ -212,19 +212,11 @@ def describe_offload(profile: Profile, plan: Plan) -> dict[str, str]:
     units = list(effect.units)
     out = {}
     for i, m in enumerate(units):
-        moved = f"{len(m.storages)} storage(s), {m.nbytes / 2**20:.2f} MiB"
-        stall = effect.stall_by_unit.get(m.path, 0.0)
+        moved = f"offload {m.nbytes / 2**20:.2f} MiB"
         if m.held:
-            out[m.path] = (
-                f"offload: {moved} copied out after its forward; still held when backward "
-                f"reaches it (no copy back); out {m.d2h_seconds * 1e3:.3f} ms"
-            )
+            out[m.path] = f"{moved}: out after forward, held into backward (no copy back)"
             continue
-        after = units[i + 1].path
-        when = f"when {after}'s backward begins" if m.load != m.need else "at its own backward"
-        out[m.path] = (
-            f"offload: {moved} out after its forward, freed when {after}'s forward ends, back "
-            f"{when}; out {m.d2h_seconds * 1e3:.3f} ms, back {m.h2d_seconds * 1e3:.3f} ms, "
-            f"compute waits {stall * 1e3:.3f} ms (simulated link)"
-        )
+        back = units[i + 1].path if m.load != m.need else m.path
+        stall = effect.stall_by_unit.get(m.path, 0.0)
+        out[m.path] = f"{moved}: out after forward, back at {back} backward, waits {stall * 1e3:.2f} ms"
     return out
