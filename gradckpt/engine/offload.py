@@ -55,7 +55,9 @@ def storage_key(t: torch.Tensor) -> int:
 class _Entry:
     """One storage saved by a group: the sources until close, then a host ticket."""
 
-    __slots__ = ("flat", "handles", "key", "nbytes", "pending", "sources", "ticket", "unpacked")
+    __slots__ = (
+        "alive", "flat", "handles", "key", "nbytes", "pending", "sources", "ticket", "unpacked",
+    )  # fmt: skip
     # ``flat`` is the storage as uint8 while it is on the device: the source until the
     # group drops it, a reload buffer after a load, until every handle was unpacked.
 
@@ -67,6 +69,7 @@ class _Entry:
         self.ticket: Any = None  # host copy (None: never left the device)
         self.pending: Any = None  # a load started, not yet waited for
         self.handles = 0
+        self.alive = 0  # handles autograd still holds
         self.unpacked: set[int] = set()
 
 
@@ -79,6 +82,15 @@ class _Saved:
         self.group, self.entry, self.index = group, entry, entry.handles
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.offset = t.storage_offset()
+
+    def __del__(self) -> None:
+        # Autograd released this saved tensor: once all of a storage's are released,
+        # nothing can unpack it again, so a storage still on the device goes now, as
+        # it would under plain autograd.
+        entry = self.entry
+        entry.alive -= 1
+        if entry.alive == 0:
+            entry.flat = None
 
 
 class OffloadGroup:
@@ -119,6 +131,7 @@ class OffloadGroup:
         handle = _Saved(self, entry, t)
         entry.sources.append((t, t._version))
         entry.handles += 1
+        entry.alive += 1
         return handle
 
     def close(self, output: Any) -> None:
@@ -174,7 +187,7 @@ class OffloadGroup:
             entry.flat.untyped_storage(), handle.offset, handle.size, handle.stride
         )
         entry.unpacked.add(handle.index)
-        if len(entry.unpacked) == entry.handles:
+        if entry.ticket is not None and len(entry.unpacked) == entry.handles:
             entry.flat = None  # from here on, only autograd's uses hold the reload
             entry.unpacked = set()
         return out
