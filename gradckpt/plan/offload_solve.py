@@ -39,11 +39,11 @@ __all__ = [
 ]
 
 _DOUBLINGS = 24
-_BISECTIONS = 6
+_BISECTIONS = 12
 
 
 def priced_chain(chain: Chain, host: Sequence[Sequence[int]], price: float) -> Chain:
-    """``chain`` with ``price`` seconds added per host byte of each option (``host[stage][k]``).
+    """``chain`` with about ``price`` seconds added per host byte of each option (``host[stage][k]``).
 
     Example:
         >>> priced_chain(chain, [[0, 0, 4096]], 1e-9).stages[0].options[2].time
@@ -51,8 +51,13 @@ def priced_chain(chain: Chain, host: Sequence[Sequence[int]], price: float) -> C
     if price == 0:
         return chain
     stages = []
-    for st, row in zip(chain.stages, host):
-        options = tuple(replace(o, time=o.time + price * h) for o, h in zip(st.options, row))
+    n = len(chain.stages)
+    for i, (st, row) in enumerate(zip(chain.stages, host)):
+        # Identical blocks would all switch at one price (a duality gap: none or all
+        # offloaded); a slightly higher price further down the chain makes them switch
+        # one at a time, so bisection can stop where the host budget is just met.
+        each = price * (1 + i / (4 * n))
+        options = tuple(replace(o, time=o.time + each * h) for o, h in zip(st.options, row))
         stages.append(replace(st, options=options))
     return replace(chain, stages=tuple(stages))
 
