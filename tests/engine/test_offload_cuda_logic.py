@@ -27,7 +27,7 @@ class FakeStreams:
         self.compute = self.Stream(name="compute")
         self.done = True
 
-    def Stream(self, device=None, name="copy"):  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self, device=None, name="copy"):
         fake = self
 
         class _Stream:
@@ -42,7 +42,7 @@ class FakeStreams:
 
         return _Stream()
 
-    def Event(self):  # noqa: N802
+    def Event(self):
         fake = self
 
         class _Event:
