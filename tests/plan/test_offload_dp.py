@@ -76,7 +76,7 @@ def test_offload_is_never_chosen_inside_a_segment(chain):
     for m in range(chain.capacity + 1):
         if dp.best_time(m) == float("inf"):
             continue
-        for (kind, _stage, option), nested in _nodes(dp.schedule(m)):
+        for (_kind, _stage, option), nested in _nodes(dp.schedule(m)):
             assert not (nested and option == 2)
 
 
