@@ -13,6 +13,8 @@ sources are shown:
   2.5 TB/s), so that the copies compete with fast compute as they would on a GPU
   (the engine's Python costs, measured against CPU kernels, are left out there).
 
+Models: the zoo GPT and HF GPT-2 (profiled for real), and a Llama-3.2-1B-shaped
+model planned under fake tensors (accelerator op times only; nothing measured).
 For each model, link and time source: the Pareto frontier (predicted peak,
 predicted overhead over the plain step) of the DP without offload, and with
 keep / recompute / offload chosen jointly (``gradckpt.frontier(..., offload=)``).
@@ -26,7 +28,7 @@ seed), the allocator's peak with the prediction, and the host bytes the
 backend held with the predicted ones.
 
 Usage:
-    python -m benchmarks.offload            # GPT (zoo) and HF GPT-2, a few minutes
+    python -m benchmarks.offload            # GPT (zoo), HF GPT-2, Llama-1B (fake): ~10 min
     python -m benchmarks.offload --quick    # smoke test
 """
 
@@ -55,6 +57,7 @@ from benchmarks.common import (
     write_results,
 )
 from gradckpt.apply.apply import applied_units
+from gradckpt.engine.offload_runtime import OffloadRuntime
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.plan import simulate
@@ -63,7 +66,11 @@ from gradckpt.profile.fake import SPEEDS, estimate_time
 from gradckpt.testing import make
 
 LINKS = {"25 GB/s": 25e9, "400 GB/s": 400e9}
-FULL = {"gpt": dict(layers=6, d_model=128, seq=128, batch=4), "hf-gpt2": dict(layers=4, hidden=128, seq=128)}
+FULL = {
+    "gpt": dict(layers=6, d_model=128, seq=128, batch=4),
+    "hf-gpt2": dict(layers=4, hidden=128, seq=128),
+    "llama-1b": dict(fake=True),  # Llama-3.2-1B-shaped, planned under fake tensors
+}
 QUICK = {"gpt": dict(layers=3, d_model=32, seq=32, batch=2, vocab=512)}
 
 
@@ -134,7 +141,29 @@ def _compare(without: list[dict], with_offload: list[dict]) -> dict[str, Any]:
     }
 
 
+def run_fake(name: str, points: int) -> dict[str, Any]:
+    """A model too big for this machine (a built-in CLI target), planned under fake tensors:
+    accelerator op times only, nothing measured."""
+    from gradckpt.cli.targets import resolve
+
+    target = resolve(name, fake=True, device="cpu")
+    prof = accelerator_timed(gradckpt.profile(target.model, target.loss_fn, fake=True))
+    without = _curve(gradckpt.frontier(target.model, target.loss_fn, profile=prof, points=points))
+    curves: dict[str, Any] = {"accelerator": {"without": without}}
+    for link, rate in LINKS.items():
+        options = gradckpt.OffloadOptions(d2h_bandwidth=rate, h2d_bandwidth=rate)
+        pts = gradckpt.frontier(target.model, target.loss_fn, profile=prof, points=points,
+                                offload=options)  # fmt: skip
+        curve = _curve(pts)
+        curves["accelerator"][link] = {"curve": curve, **_compare(without, curve)}
+    return {"sizes": "built-in target, fake tensors (nothing allocated, nothing measured)",
+            "plain_peak_bytes": prof.measured_peak_bytes,
+            "plain_step_s_accelerator": prof.step_time, "curves": curves, "measured": []}  # fmt: skip
+
+
 def run_model(name: str, sizes: dict[str, Any], points: int) -> dict[str, Any]:
+    if sizes.get("fake"):
+        return run_fake(name, points)
     ex = _example(name, sizes)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     timings = {"cpu": prof, "accelerator": accelerator_timed(prof)}
@@ -177,8 +206,8 @@ def _measure(ex, prof: gradckpt.Profile, plan: gradckpt.Plan) -> dict[str, Any]:
     gradckpt.apply(ex.model, plan)
     try:
         loss, grads, peak = _step(ex, 0)
-        session = next(s.offload.session for s in applied_units(ex.model).values()
-                       if s.offload is not None)  # fmt: skip
+        session = next(s.runtime.session for s in applied_units(ex.model).values()
+                       if isinstance(s.runtime, OffloadRuntime))  # fmt: skip
         host = session.backend.peak_host_bytes
     finally:
         gradckpt.remove(ex.model)
@@ -233,6 +262,10 @@ def render(data: dict[str, Any]) -> str:
             lines += [f"Predicted overhead at each budget, {source} op times:", "",
                       markdown_table(["budget (MiB)", "without offload",
                                       *(f"with offload, {k}" for k in LINKS)], table), ""]  # fmt: skip
+        if not result["measured"]:
+            lines += ["Nothing measured: planned under fake tensors (too big for this machine).",
+                      ""]  # fmt: skip
+            continue
         rows = [[", ".join(m["offloaded"]), ", ".join(f"{k}: {v}" for k, v in m["other"].items())
                  or "-", mib2(m["predicted_peak_bytes"]), mib2(m["measured_peak_bytes"]),
                  mib2(m["predicted_host_bytes"]), mib2(m["measured_host_bytes"]),

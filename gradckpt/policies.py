@@ -190,7 +190,7 @@ def explain(policy: Policy, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
                 found = made_by.get(id(t)) if t is not None else None
                 if found is not None and found[0] is t:
                     if decision is SAVE:
-                        found[1]["decision"] = SAVE.value
+                        found[1]["decision"] = "save"
                     break
             return decision
         out = ctx.output
@@ -201,7 +201,7 @@ def explain(policy: Policy, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
             {
                 "index": ctx.index,
                 "op": str(op),
-                "decision": RECOMPUTE.value if is_view else decision.value,
+                "decision": "save" if decision is SAVE and not is_view else "recompute",
                 "shapes": [tuple(t.shape) for t in tensors],
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
             }

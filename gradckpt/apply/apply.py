@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gradckpt.apply import guard as shape_guard
-from gradckpt.apply.offload import offload_runtime
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -18,10 +17,10 @@ from gradckpt.apply.wrappers import (
     make_opaque,
     make_root_guard,
     make_wrapper,
-    plan_policy,
     segment_error,
 )
 from gradckpt.engine import dynamo
+from gradckpt.plan.handlers import handler_for
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.planset import PlanSet
 from gradckpt.profile.fingerprint import model_fingerprint
@@ -85,7 +84,7 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     # only repeat it (and misfire on a shape run under a larger shape's plan).
     shapes = dict(plan.input_shapes) if shape_guard.guard_of(model) is None else {}
     specs: dict[str, UnitSpec] = {}
-    runtime = offload_runtime(plan)
+    runtimes: dict[type, object] = {}  # per decision kind: its install(plan), made once
 
     def visit(items: tuple, enclosing: list[SegmentSpec]) -> None:
         for item in items:
@@ -102,17 +101,13 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
             if item.path in specs:
                 raise ValueError(f"the plan lists {item.path!r} twice")
             plain = getattr(module.forward, "__gradckpt_original__", module.forward)
-            policy = (
-                plan_policy(item.path, item.save, item.save_ops)
-                if item.mode == "selective"
-                else None
-            )
+            kind = handler_for(item.decision)
+            if type(item.decision) not in runtimes:
+                runtimes[type(item.decision)] = kind.install(plan)
             specs[item.path] = UnitSpec(
-                item.path, module, plain, item.mode, policy, list(enclosing),
-                shapes.get(item.path),
+                item.path, module, plain, item.decision, kind.policy(item.path, item.decision),
+                list(enclosing), shapes.get(item.path), runtime=runtimes[type(item.decision)],
             )  # fmt: skip
-            if item.mode == "offload" and not enclosing:
-                specs[item.path].offload = runtime
 
     visit(plan.items, [])
     return specs
@@ -238,7 +233,7 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
         return model
     for spec in installed.units.values():
         forward = spec.module.__dict__.get("forward")
-        opens_regions = spec.mode != "keep" or bool(spec.segments)
+        opens_regions = spec.handler.opens_region or bool(spec.segments)
         if opens_regions and isinstance(forward, UnitForward):
             make_opaque(forward)
     guard = model.__dict__.get("forward")

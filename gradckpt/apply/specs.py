@@ -9,7 +9,6 @@ attribute ``forward`` (which is the wrapper itself).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,9 @@ import torch
 from torch import nn
 
 from gradckpt.engine import dynamo
-from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext
+from gradckpt.engine.decisions import KEEP, Decision
+from gradckpt.plan.handlers import KindHandler, handler_for
+from gradckpt.plan.kinds.selective import PlanPolicy
 
 __all__ = [
     "PlanPolicy",
@@ -59,35 +60,6 @@ def segment_error(name: str, path: str) -> str:
     )
 
 
-class PlanPolicy:
-    """Keep the ops at positions ``save``; warn (and recompute) if an op there is not the planned one.
-
-    An object rather than a closure so an applied model can be pickled.
-    """
-
-    def __init__(self, path: str, save: tuple[int, ...], names: tuple[str, ...]) -> None:
-        self.path = path
-        self.expected = dict(zip(save, names))
-        self.warned = False
-        self.__name__ = f"plan_policy({path})"
-
-    def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        name = self.expected.get(ctx.index)
-        if name is None:
-            return RECOMPUTE
-        if str(op) == name:
-            return SAVE
-        if not self.warned:
-            self.warned = True
-            warnings.warn(
-                f"gradckpt: op #{ctx.index} of {self.path} is {op}, but the plan expected "
-                f"{name}; it is recomputed instead of kept. Was the model or its inputs "
-                "changed since planning? Plan again to get the predicted memory.",
-                stacklevel=2,
-            )
-        return RECOMPUTE
-
-
 def plan_policy(path: str, save: tuple[int, ...], names: tuple[str, ...]) -> PlanPolicy:
     """The per-op policy of a selective unit (see :class:`PlanPolicy`)."""
     return PlanPolicy(path, save, names)
@@ -107,22 +79,36 @@ class SegmentSpec:
 
 @dataclass(eq=False)
 class UnitSpec:
-    """What a unit's wrapper needs: its choice and the segments enclosing it."""
+    """What a unit's wrapper needs: its decision and the segments enclosing it."""
 
     path: str
     module: nn.Module
     plain: Callable[..., Any]
-    mode: str = "keep"
+    decision: Decision = KEEP
     policy: Callable[..., Any] | None = None
     segments: list[SegmentSpec] = field(default_factory=list)  # outermost first
     expected_shape: tuple[int, ...] | None = None
     compiled: Callable[..., Any] | None = None  # a torch.compile'd ``plain``, if any
-    offload: Any = None  # the model's OffloadRuntime, for an ``offload`` unit
+    runtime: Any = None  # what the decision's kind installed for this plan (KindHandler.install)
+
+    @property
+    def handler(self) -> KindHandler:
+        """What the unit's decision kind does (see :mod:`gradckpt.plan.kinds`)."""
+        return handler_for(self.decision)
+
+    @property
+    def mode(self) -> str:
+        """The decision's kind name."""
+        return self.decision.kind
 
     @property
     def body(self) -> Callable[..., Any] | None:
         """The compiled body this unit runs in regions, or None (runs ``plain`` eagerly)."""
-        return self.compiled if self.mode != "selective" else None
+        return self.compiled if self.handler.compiled_body else None
+
+    def call_in_region(self, args: tuple, kwargs: dict) -> Any:
+        """Run the unit inside a region (forward or recompute): the same way both times."""
+        return call_in_region(self, args, kwargs)
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())

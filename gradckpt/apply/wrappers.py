@@ -7,8 +7,8 @@ time, how the unit runs:
 * as the first unit of a segment that belongs to the current level, by opening
   that segment's region (it stays open across the next units' calls, and the
   segment's last unit closes it);
-* otherwise by its own choice: plainly (``keep``) or in its own region
-  (``recompute``/``selective``).
+* otherwise by its own decision, as its kind's handler runs it: plainly
+  (``Keep``) or in its own region (``Recompute``/``Selective``).
 
 "The current level" is what the engine is doing: nothing (top level) or
 recomputing a segment. A segment's recompute calls its units' wrappers again,
@@ -54,7 +54,6 @@ from gradckpt.apply.specs import (
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.holders import CheckpointError, active_frame
 
 __all__ = [
@@ -98,7 +97,7 @@ class UnitForward:
         if dynamo.is_compiling():
             # Traced by Dynamo: a kept unit compiles with its caller; anything
             # that opens or joins a region runs eagerly behind a graph break.
-            if not torch.is_grad_enabled() or (unit.mode == "keep" and not unit.segments):
+            if not torch.is_grad_enabled() or not (unit.handler.opens_region or unit.segments):
                 return unit.plain(*args, **kwargs)
             return dynamo.opaque(self.run)(*args, **kwargs)
         return self.run(*args, **kwargs)
@@ -144,18 +143,8 @@ class UnitForward:
                     "forward does not call the units in the planned order. Plan again."
                 )
             return run_segment_start(spec, unit, units, args, kwargs)
-        if unit.mode == "offload" and unit.offload is not None and top is None:
-            return unit.offload.run(unit, args, kwargs)
-        if unit.mode in ("keep", "offload"):  # offload inside a segment's recompute: keep
-            if top is not None:
-                # A segment's recompute: run as its forward ran this unit.
-                return call_in_region(unit, args, kwargs)
-            return (unit.body or unit.plain)(*args, **kwargs)
-        if unit.body is not None:
-            return run_checkpointed(
-                unit.body, args, kwargs, name=unit.path, compiled=True, state=unit.buffers
-            )
-        return run_checkpointed(unit.plain, args, kwargs, policy=unit.policy, name=unit.path)
+        # The unit's own decision: its kind says how it runs (gradckpt.plan.kinds).
+        return unit.handler.run(unit, args, kwargs, in_recompute=top is not None)
 
 
 class OpaqueUnitForward(UnitForward):

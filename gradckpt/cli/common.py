@@ -206,10 +206,12 @@ def plan_for(
 
 def describe_plan(plan: Plan) -> str:
     """'2 recompute, 4 selective, 1 segment' (units not kept plainly)."""
+    from gradckpt.engine.decisions import decision_kinds
     from gradckpt.plan.plan import Segment, iter_units
 
     units = list(iter_units(plan.items))
-    counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective", "offload")}
+    kinds = [k for k in decision_kinds() if k != "keep"]  # registration order
+    counts = {m: sum(u.mode == m for u in units) for m in kinds}
     parts = [f"{n} {m}" for m, n in counts.items() if n]
     segments = sum(isinstance(i, Segment) for i in plan.items)
     if segments:

@@ -1,7 +1,17 @@
 """Layer 1: the recompute mechanism (non-reentrant, on ``saved_tensors_hooks``)."""
 
 from gradckpt.engine.checkpoint import checkpoint, checkpoint_sequential
-from gradckpt.engine.decisions import RECOMPUTE, SAVE, TAG, Decision, PolicyContext
+from gradckpt.engine.decisions import (
+    RECOMPUTE,
+    SAVE,
+    TAG,
+    Decision,
+    Keep,
+    Offload,
+    PolicyContext,
+    Recompute,
+    Selective,
+)
 from gradckpt.engine.frame import Frame, tag
 from gradckpt.engine.holders import CheckpointError, active_frame, in_region_forward
 from gradckpt.engine.modes import counts_as_op
@@ -13,7 +23,11 @@ __all__ = [
     "CheckpointError",
     "Decision",
     "Frame",
+    "Keep",
+    "Offload",
     "PolicyContext",
+    "Recompute",
+    "Selective",
     "active_frame",
     "checkpoint",
     "checkpoint_sequential",

@@ -93,8 +93,8 @@ def compile_model(
     for path, spec in installed.items():
         if wanted is not None and path not in wanted:
             continue
-        if spec.mode == "selective":
-            continue  # its policy must see every op: stays eager
+        if not spec.handler.compiled_body:
+            continue  # e.g. selective: its policy must see every op, so it stays eager
         spec.compiled = torch.compile(spec.plain, **compile_kwargs)
     if whole_model:
         model.compile(**{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})

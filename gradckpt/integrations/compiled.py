@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.apply.apply import applied_plan, applied_units
+from gradckpt.engine.decisions import Keep, Recompute, Selective
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
 from gradckpt.plan import Plan, Segment, UnitChoice
 
@@ -52,6 +53,8 @@ _COMPILED: weakref.WeakKeyDictionary[nn.Module, tuple[Plan, list[tuple[nn.Module
 )
 
 Occurrence = tuple[str, int]  # (op name, how many calls of that op came before it in the unit)
+# The decision kinds this path translates into torch's selective-checkpoint policies.
+_COMPILABLE = (Keep, Recompute, Selective)
 
 
 def compile(
@@ -90,7 +93,14 @@ def compile(
             "(gradckpt.fit(model, loss_fn, budget, segments=False))"
         )
     modules = dict(model.named_modules())
-    selective = [u for u in plan.units if u.mode == "selective"]
+    foreign = sorted({u.mode for u in plan.units if not isinstance(u.decision, _COMPILABLE)})
+    if foreign:
+        raise ValueError(
+            f"gradckpt.compile: the applied plan has {foreign} decisions, which the compiler "
+            "path cannot carry out (it knows keep, recompute and selective); run the plan "
+            "eagerly, or with gradckpt.integrations.compile.compile_model"
+        )
+    selective = [u for u in plan.units if isinstance(u.decision, Selective)]
     if selective and loss_fn is None:
         raise ValueError(
             f"gradckpt.compile: units {[u.path for u in selective]} keep single ops; pass the "
@@ -138,7 +148,7 @@ def _compiled_forward(
     unit: UnitChoice, plain: Callable[..., Any], saves: tuple[Occurrence, ...]
 ) -> Callable[..., Any]:
     """The unit's forward as the compiler should see it (see the module docstring)."""
-    if unit.mode == "keep":
+    if isinstance(unit.decision, Keep):
         forward = plain
     else:
         context_fn = functools.partial(_sac_contexts, frozenset(saves), unit.path)

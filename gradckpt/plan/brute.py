@@ -14,7 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from gradckpt.plan.dp import _SEGMENT, NESTED, TOP, Chain, Tree, ceil_div, near_div
+from gradckpt.plan.dp import (
+    _SEGMENT,
+    NESTED,
+    TOP,
+    Chain,
+    SegmentStep,
+    Tree,
+    UnitStep,
+    ceil_div,
+    near_div,
+)
 
 __all__ = ["ReferenceDP", "all_schedules", "brute_force", "evaluate"]
 
@@ -30,7 +40,7 @@ def evaluate(
     """(memory units needed, total time) of ``tree`` over stages ``start..end`` in ``ctx``.
 
     Example:
-        >>> evaluate(chain, [("unit", 0, 0), ("unit", 1, 1)])
+        >>> evaluate(chain, [UnitStep(0, 0), UnitStep(1, 1)])
         (12, 3.5)
     """
     if not tree:
@@ -38,9 +48,9 @@ def evaluate(
     stages, scale = chain.stages, chain.scale
     end = len(stages) - 1 if end is None else end
     head, rest = tree[0], tree[1:]
-    if head[0] == "unit":
-        _, a, index = head
-        option = stages[a].options[index]
+    if isinstance(head, UnitStep):
+        a = head.stage
+        option = stages[a].options[head.option]
         inside = _grads(chain, a + 1, end)
         forward = option.fwd if ctx == TOP else option.fwd_nested + inside
         need = ceil_div(max(forward, option.bwd + inside), scale)
@@ -49,7 +59,7 @@ def evaluate(
         rest_need, rest_time = evaluate(chain, rest, ctx, a + 1, end)
         held = option.kept + stages[a + 1].input
         return max(need, held + rest_need), option.time + rest_time
-    inner = head[1]
+    inner = head.schedule
     a = start
     j = a + _length(inner)
     if not rest:
@@ -68,7 +78,7 @@ def evaluate(
 
 
 def _length(tree: Tree) -> int:
-    return sum(1 if node[0] == "unit" else _length(node[1]) for node in tree)
+    return sum(1 if isinstance(node, UnitStep) else _length(node.schedule) for node in tree)
 
 
 def all_schedules(chain: Chain, a: int = 0, b: int | None = None) -> Iterator[Tree]:
@@ -79,15 +89,15 @@ def all_schedules(chain: Chain, a: int = 0, b: int | None = None) -> Iterator[Tr
         return
     for index in range(len(chain.stages[a].options)):
         for rest in all_schedules(chain, a + 1, b):
-            yield [("unit", a, index), *rest]
+            yield [UnitStep(a, index), *rest]
     for j in range(a + 2, b + 1):
         if not all(chain.stages[s].joins_previous for s in range(a + 1, j)):
             break
         for inner in all_schedules(chain, a, j - 1):
-            if len(inner) == 1 and inner[0][0] == "segment":
+            if len(inner) == 1 and isinstance(inner[0], SegmentStep):
                 continue  # a segment that is one segment is the same with an extra forward
             for rest in all_schedules(chain, j, b):
-                yield [("segment", inner), *rest]
+                yield [SegmentStep(inner), *rest]
 
 
 def brute_force(chain: Chain, m: int) -> tuple[float, Tree | None]:
@@ -187,11 +197,11 @@ class ReferenceDP:
         stages = self.chain.stages
         if code < _SEGMENT:
             if a == b:
-                return [("unit", a, code)]
+                return [UnitStep(a, code)]
             kept = stages[a].options[code].kept + stages[a + 1].input
-            return [("unit", a, code), *self._tree(ctx, m - kept, a + 1, b)]
+            return [UnitStep(a, code), *self._tree(ctx, m - kept, a + 1, b)]
         j = a + code - _SEGMENT
         shift = near_div(_grads(self.chain, j, b), self.chain.scale)
         inner = min(m - shift, self.size - 1)
         left = self._tree(NESTED, inner, a, j - 1)
-        return [("segment", left), *self._tree(ctx, m - stages[j].input, j, b)]
+        return [SegmentStep(left), *self._tree(ctx, m - stages[j].input, j, b)]

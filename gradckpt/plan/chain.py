@@ -1,7 +1,8 @@
 """From a profile to the dynamic program's chain of stages.
 
-Each plannable unit becomes a stage with its options (keep, recompute, and
-selective save sets drawn from the unit's own time-per-byte frontier). What
+Each plannable unit becomes a stage with its options: the decisions every
+registered kind offers for it (keep, recompute, and selective save sets drawn
+from the unit's own time-per-byte frontier; see :mod:`gradckpt.plan.kinds`). What
 each option *holds* after the forward comes straight from the profile's saved
 tensors. What it *needs* at its peaks is calibrated on the exact simulator:
 one simulated step per option index (every stage using that option) gives the
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Selective
 from gradckpt.plan.dp import Chain, Option, Stage
+from gradckpt.plan.handlers import handler_for, handlers
 from gradckpt.plan.offload_cost import OffloadOptions
-from gradckpt.plan.offload_sim import moved_storages, stage_stall
 from gradckpt.plan.plan import Plan, UnitChoice
 from gradckpt.plan.simulate import live_trace
 from gradckpt.policies import MATMUL_OPS
@@ -34,25 +36,12 @@ _GRID, _GRID_PER_STAGE = 1024, 8  # memory grid steps: at least, and per stage
 
 
 @dataclass(frozen=True)
-class StageOption:
-    """An option of a unit, in profile terms (bytes, op positions)."""
-
-    mode: str
-    save: tuple[int, ...] = ()
-    save_ops: tuple[str, ...] = ()
-    moved: tuple[int, ...] = ()  # offload: the storages it moves to host memory
-
-    def choice(self, path: str) -> UnitChoice:
-        return UnitChoice(path, self.mode, self.save, self.save_ops)
-
-
-@dataclass(frozen=True)
 class ChainModel:
     """The chain, the unit behind each stage, and the memory grid it uses."""
 
     chain: Chain
     units: tuple[UnitRecord, ...]
-    options: tuple[tuple[StageOption, ...], ...]
+    options: tuple[tuple[Decision, ...], ...]  # per stage: the decision of each DP option
     unit_bytes: int
     base_bytes: int  # parameters and buffers: outside the grid
     offload: OffloadOptions | None = None  # the link offload options were costed for
@@ -69,6 +58,10 @@ class _Lookup:
 
     packs: dict[int, list[PackRecord]]  # unit index -> its packs
     forward_positions: list[int]  # position of each forward op
+    # What the chain is built for beyond the profile: the plannable units in order and
+    # the offload link (None: no offload), for kinds whose costs depend on them.
+    units: tuple[UnitRecord, ...] = ()
+    offload: OffloadOptions | None = None
 
 
 def _lookup(profile: Profile) -> _Lookup:
@@ -86,7 +79,7 @@ def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> in
 
 def candidate_sets(
     profile: Profile, unit: UnitRecord, look: _Lookup | None = None
-) -> list[StageOption]:
+) -> list[Selective]:
     """Selective save sets for a block: matmul outputs, and the cheapest bytes that
     remove 25/50/75% of its recompute time (ops by time per byte, best first)."""
     stop = _stop(profile, unit, look)
@@ -116,35 +109,19 @@ def candidate_sets(
         sets.append(tuple(sorted(chosen)))
     unique = list(dict.fromkeys(s for s in sets if s))
     ops = profile.unit_ops(unit)
-    return [StageOption("selective", s, tuple(ops[i].name for i in s)) for s in unique]
+    return [Selective(s, tuple(ops[i].name for i in s)) for s in unique]
 
 
-def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
+def _kept_bytes(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
     """Bytes the unit holds from its forward to its backward, besides its input and output."""
-    inside = range(unit.first_op, unit.end_op)
-    if option.mode in ("keep", "offload"):
-        sids = {
-            p.storage for p in look.packs.get(unit.index, ())
-            if p.storage >= 0 and profile.storages[p.storage].producer in inside
-        }  # fmt: skip
-        sids -= set(option.moved)  # what offload moves is off the device until backward
-    elif option.mode == "selective":
-        sids = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
-    else:
-        sids = set()
+    sids = handler_for(option).kept_storages(profile, unit, option, look)
     sids.discard(unit.output)
     return sum(profile.storages[s].nbytes for s in sids)
 
 
-def _own_forward_peak(
-    profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup
-) -> int:
+def _own_forward_peak(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
     """Peak of the unit's own storages during its forward (what it keeps is never freed)."""
-    kept: set[int] = set()
-    if option.mode in ("keep", "offload"):
-        kept = {p.storage for p in look.packs.get(unit.index, ())}
-    elif option.mode == "selective":
-        kept = {s for i in option.save for s in profile.ops[unit.first_op + i].outputs}
+    kept = handler_for(option).kept_storages(profile, unit, option, look)
     positions = look.forward_positions
     events = []
     for op in profile.unit_ops(unit):
@@ -195,7 +172,7 @@ def _windows(profile: Profile, units: tuple[UnitRecord, ...]) -> tuple[list, lis
 
 
 def _calibration_runs(
-    units: tuple[UnitRecord, ...], options: list[list[StageOption]]
+    units: tuple[UnitRecord, ...], options: list[list[Decision]]
 ) -> list[list[int]]:
     """Option index per stage for each calibration simulation.
 
@@ -232,9 +209,10 @@ def build_chain(
     keeps is rounded to the grid and summed along the chain, so a block that keeps
     one or two steps would make the model miss by a quarter on 400 blocks.
 
-    With ``offload`` options, every block also gets an ``offload`` option (third
-    after keep and recompute): it holds what it does not move, its time adds the
-    copies' stall with the next unit's compute as the overlap windows, and it is
+    With ``offload`` options, every block also gets an ``Offload`` option (third
+    after keep and recompute; :mod:`gradckpt.plan.kinds.offload`): it holds what it
+    does not move, its time adds the copies' stall with the next unit's compute as
+    the overlap windows, and (like any kind whose handler is not ``nested``) it is
     never chosen inside a segment's recompute.
 
     Example:
@@ -245,14 +223,13 @@ def build_chain(
     if not units:
         raise ValueError("the model has no unit that can be checkpointed")
     grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
-    look = _lookup(profile)
-    stage_options: list[list[StageOption]] = []
+    look = replace(_lookup(profile), units=units, offload=offload)
+    kinds = list(handlers())
+    stage_options: list[list[Decision]] = []
     for u in units:
-        options = [StageOption("keep"), StageOption("recompute")]
-        if u.is_block and offload is not None:
-            options.append(StageOption("offload", moved=moved_storages(profile, u, offload.min_bytes)))
-        if u.is_block:
-            options += candidate_sets(profile, u, look)
+        options = [o for kind in kinds for o in kind.stage_options(profile, u, look)]
+        # The chain model reads option 0 as the plain unit and option 1 as a full region.
+        assert options[:2] == [KEEP, RECOMPUTE], f"internal: options of {u.path}: {options[:2]}"
         stage_options.append(options)
     span = max(1, profile.measured_peak_bytes - profile.param_bytes)
     unit_bytes = max(1, math.ceil(span / grid))
@@ -278,7 +255,10 @@ def build_chain(
     bstart_background = [0] * len(units)
     for index in _calibration_runs(units, stage_options):
         plan = Plan(
-            tuple(stage_options[i][k].choice(u.path) for i, (u, k) in enumerate(zip(units, index))),
+            tuple(
+                UnitChoice(u.path, stage_options[i][k])
+                for i, (u, k) in enumerate(zip(units, index))
+            ),
             profile.fingerprint,
             offload=offload,
         )
@@ -304,24 +284,17 @@ def build_chain(
         opts = []
         for k, option in enumerate(stage_options[i]):
             own = _own_forward_peak(profile, u, option, look)
-            recompute = 0.0  # or, for offload, the copies' stall
-            if option.mode == "offload":
-                recompute = stage_stall(profile, units, i, option.moved, offload)
-            elif option.mode != "keep":
-                cached = {u.first_op + j for j in option.save}
-                stop = _stop(profile, u, look)
-                recompute = sum(
-                    op.time for op in profile.ops[u.first_op : stop] if op.index not in cached
-                )
+            kind = handler_for(option)
+            recompute = kind.recompute_seconds(profile, u, option, look)  # offload: its stall
             opts.append(
                 Option(
-                    name=option.mode if option.mode != "selective" else f"selective{k - 1}",
+                    name=kind.option_name(option, k),
                     kept=near(kept[i][k]),
                     fwd=fwd_need[i][k],
-                    # Offload inside a segment's recompute would only move bytes back
-                    # and forth: out of reach there.
+                    # A kind that cannot run inside a segment's recompute (offload would
+                    # only move bytes back and forth there) is out of reach there.
                     fwd_nested=(own + max(0, bstart_background[i]) - later[i])
-                    if option.mode != "offload" else NEVER,
+                    if kind.nested else NEVER,
                     bwd=bwd_need[i][k] - later[i],
                     time=u.fwd_time + u.bwd_time + recompute,
                 )

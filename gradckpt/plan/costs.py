@@ -29,7 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from gradckpt.engine.decisions import RECOMPUTE, Decision, decision_from_json
 from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.plan.handlers import handler_for
 from gradckpt.profile.records import Profile, UnitRecord
 
 if TYPE_CHECKING:  # both import the simulator, which imports this module
@@ -40,6 +42,7 @@ __all__ = [
     "EngineCounts",
     "engine_seconds",
     "plan_counts",
+    "region_counts",
     "step_costs",
     "unit_counts",
     "untimed_per_op",
@@ -141,21 +144,30 @@ def _stop(profile: Profile, unit: UnitRecord) -> int:
     return min(max(done, default=unit.first_op), unit.end_op)
 
 
-def unit_counts(profile: Profile, unit: UnitRecord, mode: str) -> EngineCounts:
-    """Engine events of one unit run as its own region in ``mode`` (keep: none).
+def region_counts(profile: Profile, unit: UnitRecord, *, policy: bool) -> EngineCounts:
+    """Engine events of one unit run as its own region (``policy``: its ops go to a policy).
 
     Example:
-        >>> unit_counts(prof, prof.blocks[0], "selective").policy_ops
+        >>> region_counts(prof, prof.blocks[0], policy=True).policy_ops
     """
-    if mode in ("keep", "offload"):  # offload: no region (its hooks are not yet costed)
-        return EngineCounts()
     packs = sum(1 for p in profile.packs if p.unit == unit.index)
     return EngineCounts(
         regions=1,
         recompute_ops=_stop(profile, unit) - unit.first_op,
-        policy_ops=unit.end_op - unit.first_op if mode == "selective" else 0,
+        policy_ops=unit.end_op - unit.first_op if policy else 0,
         saved_tensors=packs,
     )
+
+
+def unit_counts(profile: Profile, unit: UnitRecord, decision: Decision | str) -> EngineCounts:
+    """Engine events of one unit run as ``decision`` (or a kind name; keep: none).
+
+    Example:
+        >>> unit_counts(prof, prof.blocks[0], Selective()).policy_ops
+    """
+    if isinstance(decision, str):
+        decision = decision_from_json(decision, {})
+    return handler_for(decision).engine_counts(profile, unit, decision)
 
 
 def with_engine_costs(model: ChainModel, profile: Profile) -> ChainModel:
@@ -170,11 +182,11 @@ def with_engine_costs(model: ChainModel, profile: Profile) -> ChainModel:
     stages = []
     for stage, unit, options in zip(model.chain.stages, model.units, model.options):
         timed = tuple(
-            replace(o, time=o.time + engine_seconds(unit_counts(profile, unit, c.mode), costs))
+            replace(o, time=o.time + engine_seconds(unit_counts(profile, unit, c), costs))
             for o, c in zip(stage.options, options)
         )
         # Inside a segment's recompute the unit reruns whole, under the recompute's mode.
-        rerun = replace(unit_counts(profile, unit, "recompute"), regions=0)
+        rerun = replace(unit_counts(profile, unit, RECOMPUTE), regions=0)
         rerun = replace(rerun, recompute_ops=unit.end_op - unit.first_op)
         fwd_time = stage.fwd_time + engine_seconds(rerun, costs)
         stages.append(replace(stage, options=timed, fwd_time=fwd_time))

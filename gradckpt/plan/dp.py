@@ -34,11 +34,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 
-__all__ = ["NESTED", "TOP", "Chain", "ChainDP", "Option", "Stage", "Tree"]
+__all__ = [
+    "NESTED",
+    "TOP",
+    "Chain",
+    "ChainDP",
+    "Option",
+    "SegmentStep",
+    "Stage",
+    "Tree",
+    "UnitStep",
+]
 
 TOP, NESTED = 0, 1
 #: Choice codes at or above this are segments a..a+k-1 with k = code - _SEGMENT
@@ -83,8 +93,22 @@ class Chain:
     scale: int = 1  # fine units per grid unit
 
 
-# A schedule: ("unit", stage, option) or ("segment", [schedule of a..j-1]).
-Tree = list[Union[tuple[str, int, int], tuple[str, list]]]  # noqa: UP007
+class UnitStep(NamedTuple):
+    """A schedule step: stage ``stage`` run alone in its option ``option``."""
+
+    stage: int
+    option: int
+
+
+class SegmentStep(NamedTuple):
+    """A schedule step: the next stages run once keeping nothing but their input,
+    recomputed in backward by their own ``schedule``."""
+
+    schedule: list[Union[UnitStep, SegmentStep]]  # noqa: UP007
+
+
+# A schedule: its steps in forward order.
+Tree = list[Union[UnitStep, SegmentStep]]  # noqa: UP007
 
 
 def ceil_div(value: int, scale: int) -> int:
@@ -138,7 +162,7 @@ class ChainDP:
         if code < 0:
             raise AssertionError(f"internal: no choice recorded for stages {a}..{b} at {m}")
         if code < _SEGMENT:
-            item = ("unit", a, code)
+            item = UnitStep(a, code)
             if a == b:
                 return [item]
             kept = stages[a].options[code].kept + stages[a + 1].input
@@ -146,4 +170,4 @@ class ChainDP:
         j = a + code - _SEGMENT
         inner = min(m - self._cells.grad_shift(j, b), self.size - 1)
         left = self._tree(NESTED, inner, a, j - 1)
-        return [("segment", left), *self._tree(ctx, m - stages[j].input, j, b)]
+        return [SegmentStep(left), *self._tree(ctx, m - stages[j].input, j, b)]

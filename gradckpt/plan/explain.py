@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.engine.decisions import Offload
+from gradckpt.plan.handlers import handler_for
 from gradckpt.plan.plan import Plan, Segment, UnitChoice
 from gradckpt.plan.simulate import Prediction, Region, regions_of, simulate
 from gradckpt.profile.records import NEVER, Profile
@@ -328,13 +330,11 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
                 inner = f"segment {item.paths[0]}..{item.paths[-1]}"
                 visit(item.items, segment or inner)
                 continue
-            mode = item.mode
-            if mode == "selective":
-                mode = f"selective (keeps {len(item.save)} op output{'s' * (len(item.save) != 1)})"
+            mode = handler_for(item.decision).explain(item.decision)
             out[item.path] = f"in {segment}, {mode} there" if segment else mode
 
     visit(plan.items, "")
-    if any(getattr(item, "mode", "") == "offload" for item in plan.items):
+    if any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
         from gradckpt.plan.offload_sim import describe_offload
 
         out.update(describe_offload(prof, plan))
@@ -417,7 +417,7 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
 
 def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
     """Storage id -> why, for what the plan's offloaded units move to host memory."""
-    if plan is None or not any(getattr(i, "mode", "") == "offload" for i in plan.items):
+    if plan is None or not any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
         return {}
     from gradckpt.plan.offload_sim import offload_effect
 

@@ -27,6 +27,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.plan.offload_cost import (
     Compute,
     Issue,
@@ -125,7 +126,8 @@ def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None)
     by_path = {u.path: u for u in profile.units}
     chosen = [
         by_path[item.path] for item in plan.items
-        if isinstance(item, UnitChoice) and item.mode == "offload" and item.path in by_path
+        if isinstance(item, UnitChoice) and isinstance(item.decision, Offload)
+        and item.path in by_path
     ]  # fmt: skip
     chosen.sort(key=lambda u: u.first_op)
     needs = [_first_unpack(profile, u) for u in chosen]

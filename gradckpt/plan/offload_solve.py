@@ -19,12 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.plan.brute import evaluate
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import ChainModel, build_chain
 from gradckpt.plan.costs import with_engine_costs
-from gradckpt.plan.dp import Chain, ChainDP, Tree
+from gradckpt.plan.dp import Chain, ChainDP, Tree, UnitStep
 from gradckpt.plan.offload_cost import OffloadOptions
+from gradckpt.plan.offload_sim import moved_storages
 from gradckpt.plan.plan import Plan
 from gradckpt.plan.simulate import simulate
 from gradckpt.plan.solvers import solve_dp
@@ -66,10 +68,10 @@ def host_bytes_of(tree: Tree, host: Sequence[Sequence[int]]) -> int:
     """Host bytes a schedule holds: its top-level units' options (segments run nothing offloaded).
 
     Example:
-        >>> host_bytes_of([("unit", 0, 2), ("unit", 1, 0)], [[0, 0, 4096], [0, 0, 4096]])
+        >>> host_bytes_of([UnitStep(0, 2), UnitStep(1, 0)], [[0, 0, 4096], [0, 0, 4096]])
         4096
     """
-    return sum(host[node[1]][node[2]] for node in tree if node[0] == "unit")
+    return sum(host[node.stage][node.option] for node in tree if isinstance(node, UnitStep))
 
 
 def _prices(scale: float):
@@ -127,9 +129,13 @@ def solve_chain_priced(
 
 
 def _host_table(model: ChainModel, profile: Profile) -> list[list[int]]:
-    return [
-        [sum(profile.storages[s].nbytes for s in o.moved) for o in opts] for opts in model.options
-    ]
+    """Host bytes of each stage's each option: what an ``Offload`` option moves, else 0."""
+    min_bytes = (model.offload or OffloadOptions()).min_bytes
+    table = []
+    for unit, opts in zip(model.units, model.options):
+        moved = sum(profile.storages[s].nbytes for s in moved_storages(profile, unit, min_bytes))
+        table.append([moved if isinstance(o, Offload) else 0 for o in opts])
+    return table
 
 
 def _priced_model(model: ChainModel, host: list[list[int]], price: float) -> ChainModel:

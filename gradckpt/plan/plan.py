@@ -1,16 +1,21 @@
 """The ``Plan``: what to keep and what to recompute, as versioned data.
 
 A plan lists every plannable unit of the model once, in forward order, each
-with a mode:
+with a decision (a typed value from :mod:`gradckpt.engine.decisions`):
 
-* ``keep``: run plainly, autograd keeps what it needs;
-* ``recompute``: a checkpointed region (keeps its inputs only);
-* ``selective``: a region that also keeps the outputs of the ops at positions
-  ``save`` (their names in ``save_ops``, checked when applied);
-* ``offload``: run plainly, but what autograd saves inside the unit goes to
-  host memory after its forward and comes back ahead of its backward
-  (:mod:`gradckpt.engine.offload`; the link and host budget in ``Plan.offload``).
-  Only at the top level: inside a segment's recompute it runs as ``keep``.
+* :class:`Keep` (``keep``): run plainly, autograd keeps what it needs;
+* :class:`Recompute` (``recompute``): a checkpointed region (keeps its inputs only);
+* :class:`Selective` (``selective``): a region that also keeps the outputs of
+  the ops at positions ``save`` (their names in ``save_ops``, checked when applied);
+* :class:`Offload` (``offload``): run plainly, but what autograd saves inside the
+  unit goes to host memory after its forward and comes back ahead of its
+  backward (:mod:`gradckpt.engine.offload`; the link and host budget in
+  ``Plan.offload``). Only at the top level: inside a segment's recompute it runs
+  as ``Keep``.
+
+A plan file writes each unit's decision as ``mode`` (the decision's kind name)
+plus the decision's own fields; what each kind does in the planner and at run
+time lives in :mod:`gradckpt.plan.kinds`.
 
 A :class:`Segment` groups consecutive units into one region that keeps only
 its first input; its ``items`` say how each unit runs while the segment is
@@ -22,11 +27,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 from gradckpt._versioned import check_header
+from gradckpt.engine.decisions import KEEP, Decision, Selective, decision_from_json
 from gradckpt.plan.errors import PlanFormatError, check_plan_fields
 from gradckpt.plan.offload_cost import OffloadOptions
 
@@ -41,25 +47,57 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-MODES = ("keep", "recompute", "selective", "offload")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class UnitChoice:
-    """How one unit runs."""
+    """How one unit runs: its path and its decision.
+
+    Example:
+        >>> UnitChoice("blocks.0", Recompute())
+        >>> UnitChoice("blocks.1", Selective((3,), ("aten.mm.default",)))
+        >>> UnitChoice("blocks.1", "selective", (3,), ("aten.mm.default",))  # by kind name
+    """
 
     path: str
-    mode: str = "keep"
-    save: tuple[int, ...] = ()
-    save_ops: tuple[str, ...] = ()
+    decision: Decision
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unit mode must be one of {MODES}, got {self.mode!r}")
-        if len(self.save) != len(self.save_ops):
-            raise ValueError("save and save_ops must have the same length")
-        if self.save and self.mode != "selective":
-            raise ValueError(f"only selective units keep op outputs ({self.path})")
+    def __init__(
+        self,
+        path: str,
+        decision: Decision | str = KEEP,
+        save: tuple[int, ...] = (),
+        save_ops: tuple[str, ...] = (),
+    ) -> None:
+        if isinstance(decision, str):  # a kind name, as plan files write it
+            if (save or save_ops) and decision != "selective":
+                raise ValueError(f"only selective units keep op outputs ({path})")
+            data = {"save": save, "save_ops": save_ops} if save or save_ops else {}
+            decision = decision_from_json(decision, data)
+        elif not isinstance(decision, Decision):
+            raise TypeError(
+                f"a unit's decision is a gradckpt decision (Keep(), Recompute(), "
+                f"Selective(...)) or its kind name, got {decision!r} for {path}"
+            )
+        elif save or save_ops:
+            raise ValueError(f"give op positions inside Selective(...), not beside it ({path})")
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "decision", decision)
+
+    @property
+    def mode(self) -> str:
+        """The decision's kind name ("keep", "recompute", "selective", ...)."""
+        return self.decision.kind
+
+    @property
+    def save(self) -> tuple[int, ...]:
+        """Op positions whose outputs a selective unit keeps (empty for other kinds)."""
+        return self.decision.save if isinstance(self.decision, Selective) else ()
+
+    @property
+    def save_ops(self) -> tuple[str, ...]:
+        """Names of the ops at :attr:`save`."""
+        return self.decision.save_ops if isinstance(self.decision, Selective) else ()
 
 
 @dataclass(frozen=True)
@@ -92,19 +130,16 @@ def iter_units(items: tuple[Item, ...]) -> Iterator[UnitChoice]:
 def _item_to_json(item: Item) -> dict[str, Any]:
     if isinstance(item, Segment):
         return {"segment": [_item_to_json(i) for i in item.items]}
-    data = {"path": item.path, "mode": item.mode}
-    if item.save:
-        data["save"] = list(item.save)
-        data["save_ops"] = list(item.save_ops)
-    return data
+    return {"path": item.path, "mode": item.decision.kind, **item.decision.to_json()}
 
 
 def _item_from_json(data: dict[str, Any]) -> Item:
     if "segment" in data:
         return Segment(tuple(_item_from_json(i) for i in data["segment"]))
-    return UnitChoice(
-        data["path"], data["mode"], tuple(data.get("save", ())), tuple(data.get("save_ops", ()))
-    )
+    extra = {k: v for k, v in data.items() if k not in ("path", "mode")}
+    if extra.get("save") and data["mode"] != "selective":
+        raise ValueError(f"only selective units keep op outputs ({data['path']})")
+    return UnitChoice(data["path"], decision_from_json(data["mode"], extra))
 
 
 @dataclass(frozen=True)
@@ -152,9 +187,6 @@ class Plan:
     @property
     def units(self) -> tuple[UnitChoice, ...]:
         return tuple(iter_units(self.items))
-
-    def with_predictions(self, **values: Any) -> Plan:
-        return replace(self, **values)
 
     # ------------------------------------------------------------------ JSON
 

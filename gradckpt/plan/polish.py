@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gradckpt.engine.decisions import RECOMPUTE
 from gradckpt.plan.chain import ChainModel
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.simulate import Prediction, simulate
@@ -63,22 +64,20 @@ def _moves(plan: Plan, model: ChainModel) -> list[tuple[float, int, Item, tuple[
         if isinstance(item, Segment):
             saved = sum(model.units[stage_of[p]].fwd_time for p in item.paths)
             moves.append((saved, 0, item, item.items))
-            regions = tuple(UnitChoice(p, "recompute") for p in item.paths)
+            regions = tuple(UnitChoice(p, RECOMPUTE) for p in item.paths)
             moves.append((saved, 0, item, regions))
             continue
         stage = stage_of[item.path]
         options = model.options[stage]
         costs = model.chain.stages[stage].options
-        current = next(
-            (k for k, o in enumerate(options) if o.mode == item.mode and o.save == item.save), None
-        )
+        current = next((k for k, o in enumerate(options) if o == item.decision), None)
         if current is None:
             continue
         for k, option in enumerate(options):
             if k != current:
                 saved = costs[current].time - costs[k].time
                 extra = (costs[k].kept - costs[current].kept) * model.unit_bytes
-                moves.append((saved, extra, item, (option.choice(item.path),)))
+                moves.append((saved, extra, item, (UnitChoice(item.path, option),)))
     return moves
 
 

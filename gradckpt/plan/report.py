@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.measure.memory import format_bytes
+from gradckpt.plan.handlers import handler_for
 
 if TYPE_CHECKING:
     from gradckpt.plan.plan import Item, Plan
@@ -26,13 +28,10 @@ def _lines(items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool
         if isinstance(item, Segment):
             out.append(f"{pad}segment {item.paths[0]} .. {item.paths[-1]} (keeps its input)")
             out.extend(_lines(item.items, depth + 1, offloaded))
-        elif item.mode == "selective":
-            kept = ", ".join(n.replace("aten.", "") for n in item.save_ops)
-            out.append(f"{pad}{item.path:<28} selective  keeps: {kept}")
-        elif item.mode == "offload" and depth == 1:
+        elif isinstance(item.decision, Offload) and depth == 1:
             out.append(f"{pad}{item.path:<28} offload    {_offload_when(item.path, *offloaded)}")
         else:
-            out.append(f"{pad}{item.path:<28} {item.mode}")
+            out.append(f"{pad}{item.path:<28} {handler_for(item.decision).describe(item.decision)}")
     return out
 
 
@@ -49,7 +48,7 @@ def _offload_when(path: str, offloaded: list[str], prefetch: bool) -> str:
 def _offload_head(plan: Plan) -> list[str]:
     from gradckpt.plan.offload_cost import OffloadOptions
 
-    units = [u for u in plan.items if getattr(u, "mode", "") == "offload"]
+    units = [u for u in plan.items if isinstance(getattr(u, "decision", None), Offload)]
     if not units:
         return []
     o = plan.offload or OffloadOptions()
@@ -80,6 +79,9 @@ def plan_summary(plan: Plan) -> str:
         for path, calls in plan.not_planned
     ]
     prefetch = plan.offload.prefetch if plan.offload is not None else True
-    offloaded = ([u.path for u in plan.items if getattr(u, "mode", "") == "offload"], prefetch)
+    offloaded = (
+        [u.path for u in plan.items if isinstance(getattr(u, "decision", None), Offload)],
+        prefetch,
+    )
     lines = _lines(plan.items, 1, offloaded)
     return "\n".join(head + _offload_head(plan) + lines + shared)

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.plan.costs import engine_seconds, plan_counts, step_costs
+from gradckpt.plan.handlers import handler_for
 from gradckpt.plan.offload_sim import OffloadEffect, offload_effect
 from gradckpt.plan.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profile.records import NEVER, Profile
@@ -89,12 +91,9 @@ def _unit_index(profile: Profile) -> dict[str, int]:
 
 
 def _region(profile: Profile, item: UnitChoice | Segment, index: dict[str, int]) -> Region | None:
-    if isinstance(item, UnitChoice):
-        if item.mode in ("keep", "offload"):
-            return None  # plain w.r.t. regions; offload's effect is applied separately
+    if isinstance(item, UnitChoice):  # what the unit's decision opens, if anything
         unit = profile.units[index[item.path]]
-        save = frozenset(unit.first_op + i for i in item.save)
-        return Region([unit.index], unit.first_op, unit.end_op, save, frozenset(unit.inputs))
+        return handler_for(item.decision).region(profile, unit, item.decision)
     units = [profile.units[index[u.path]] for u in iter_units(item.items)]
     for before, after in itertools.pairwise(units):
         if after.index != before.index + 1 or not after.chained:
@@ -366,7 +365,7 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
 
 
 def _offload(profile: Profile, plan: Plan) -> OffloadEffect | None:
-    if not any(u.mode == "offload" for u in plan.items if isinstance(u, UnitChoice)):
+    if not any(isinstance(getattr(u, "decision", None), Offload) for u in plan.items):
         return None
     return offload_effect(profile, plan, plan.offload)
 

@@ -14,11 +14,12 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Selective
 from gradckpt.measure.memory import format_bytes
 from gradckpt.plan.budget import BudgetError
 from gradckpt.plan.chain import _MATMUL_NAMES, ChainModel, build_chain
 from gradckpt.plan.costs import with_engine_costs
-from gradckpt.plan.dp import ChainDP, Tree
+from gradckpt.plan.dp import ChainDP, Tree, UnitStep
 from gradckpt.plan.offload_cost import OffloadOptions
 from gradckpt.plan.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.plan.polish import polish, repair
@@ -73,11 +74,12 @@ def _plannable(profile: Profile) -> tuple[UnitRecord, ...]:
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
     items: list[Item] = []
     for node in tree:
-        if node[0] == "unit":
-            _, stage, option = node
-            items.append(model.options[stage][option].choice(model.units[stage].path))
+        if isinstance(node, UnitStep):
+            items.append(
+                UnitChoice(model.units[node.stage].path, model.options[node.stage][node.option])
+            )
         else:
-            items.append(Segment(_items(model, node[1])))
+            items.append(Segment(_items(model, node.schedule)))
     return tuple(items)
 
 
@@ -253,7 +255,7 @@ def none_plan(profile: Profile) -> Plan:
 
 
 def every_kth_plan(profile: Profile, k: int) -> Plan:
-    return _uniform(profile, lambda u, i: UnitChoice(u.path, "recompute" if i % k == 0 else "keep"))
+    return _uniform(profile, lambda u, i: UnitChoice(u.path, RECOMPUTE if i % k == 0 else KEEP))
 
 
 def save_matmuls_plan(profile: Profile) -> Plan:
@@ -264,9 +266,9 @@ def save_matmuls_plan(profile: Profile) -> Plan:
             and not any(profile.storages[s].mutated for s in op.outputs)
         ]  # fmt: skip
         if not ops:
-            return UnitChoice(u.path, "recompute")
+            return UnitChoice(u.path, RECOMPUTE)
         return UnitChoice(
-            u.path, "selective", tuple(op.local for op in ops), tuple(op.name for op in ops)
+            u.path, Selective(tuple(op.local for op in ops), tuple(op.name for op in ops))
         )
 
     return _uniform(profile, choose)
@@ -286,7 +288,7 @@ def sqrt_plan(profile: Profile) -> Plan:
             if len(part) >= 2:
                 items.append(Segment(tuple(UnitChoice(u.path) for u in part)))
             else:
-                items.append(UnitChoice(part[0].path, "recompute"))
+                items.append(UnitChoice(part[0].path, RECOMPUTE))
 
     for u in units:
         joins = run and u.is_block and u.chained and run[-1].index == u.index - 1

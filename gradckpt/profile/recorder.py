@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,7 +27,25 @@ from gradckpt.measure.timing import work_clock
 from gradckpt.profile.records import NEVER
 from gradckpt.profile.units import Unit
 
-__all__ = ["StepRecorder", "UnitCall"]
+__all__ = ["RecordedOp", "StepRecorder", "UnitCall"]
+
+
+class RecordedOp(NamedTuple):
+    """One ATen op as the recorder saw it (a named tuple: made on every op, so it stays cheap).
+
+    ``elapsed`` is this pass's time of the kernel alone; the profile's op time
+    pools it over passes (see :class:`gradckpt.profile.records.OpRecord`).
+    """
+
+    index: int
+    name: str
+    backward: bool
+    unit: int  # -1: outside every unit
+    local: int  # position inside its unit's region (-1 in backward or outside)
+    elapsed: float
+    flops: int
+    outputs: tuple[int, ...]  # storage ids it created
+    position: int
 
 
 @dataclass
@@ -42,7 +60,10 @@ class UnitCall:
     output: int = -1
     chained: bool = False
     input_shape: tuple[int, ...] = ()
-    seq: tuple[int, int] = (0, 0)
+    # Autograd sequence numbers of the nodes its forward made: [seq_start, seq_end),
+    # how backward ops are told to belong to the unit.
+    seq_start: int = 0
+    seq_end: int = 0
 
 
 @dataclass
@@ -98,7 +119,7 @@ class StepRecorder:
     units: list[Unit]
     keep_saved: bool = True
     time_ops: bool = True
-    ops: list[tuple] = field(default_factory=list)
+    ops: list[RecordedOp] = field(default_factory=list)
     storages: list[_Storage] = field(default_factory=list)
     packs: list[_Pack] = field(default_factory=list)
     calls: list[UnitCall] = field(default_factory=list)
@@ -164,8 +185,8 @@ class StepRecorder:
         if self.forward:
             self._note_writes(func, args, kwargs, index)
         self.ops.append(
-            (index, str(func), not self.forward, unit, local, elapsed,
-             _flops(func, args, kwargs, out), tuple(self._new), position)
+            RecordedOp(index, str(func), not self.forward, unit, local, elapsed,
+                       _flops(func, args, kwargs, out), tuple(self._new), position)
         )  # fmt: skip
 
     def _note_writes(self, func: Any, args: Any, kwargs: Any, index: int) -> None:
@@ -186,7 +207,7 @@ class StepRecorder:
         i = bisect.bisect_right(self._seq_starts, seq) - 1
         if i >= 0:
             call = self._seq_calls[i]
-            if call.seq[0] <= seq < call.seq[1]:
+            if call.seq_start <= seq < call.seq_end:
                 return call.unit
         return -1
 
@@ -233,14 +254,14 @@ class StepRecorder:
                 call.chain_arg, call.chain_input = tensors[0][0], self.sid_of(tensors[0][1])
         if tensors:  # what apply's shape check compares: the first tensor argument
             call.input_shape = tuple(tensors[0][1].shape)
-        call.seq = (torch._C._autograd._get_sequence_nr(), 0)
+        call.seq_start = torch._C._autograd._get_sequence_nr()
         self._stack.append(call)
         return call
 
     def exit_unit(self, call: UnitCall, out: Any) -> None:
         self._stack.pop()
         call.end_op = len(self.ops)
-        call.seq = (call.seq[0], torch._C._autograd._get_sequence_nr())
+        call.seq_end = torch._C._autograd._get_sequence_nr()
         flat, _ = tree_flatten(out)
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
@@ -251,9 +272,9 @@ class StepRecorder:
             self._last_output = None
         self._last_end = call.end_op
         self.calls.append(call)
-        if call.seq[1] > call.seq[0]:
-            i = bisect.bisect_right(self._seq_starts, call.seq[0])
-            self._seq_starts.insert(i, call.seq[0])
+        if call.seq_end > call.seq_start:
+            i = bisect.bisect_right(self._seq_starts, call.seq_start)
+            self._seq_starts.insert(i, call.seq_start)
             self._seq_calls.insert(i, call)
 
 

@@ -42,7 +42,7 @@ from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profile.calibration import settled_step_time, settled_times
 from gradckpt.profile.fake import SPEEDS, estimate_time, fake_model
 from gradckpt.profile.fingerprint import model_fingerprint
-from gradckpt.profile.recorder import RecordMode, StepRecorder
+from gradckpt.profile.recorder import RecordedOp, RecordMode, StepRecorder
 from gradckpt.profile.records import NEVER, OpRecord, PackRecord, Profile, StorageRecord, UnitRecord
 from gradckpt.profile.state import StepState
 from gradckpt.profile.units import BlockSpec, Unit, find_blocks, find_units
@@ -162,8 +162,8 @@ def _time_plain_step(
 def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]:
     """Position on the plain pass's line where each storage would die if nothing were kept."""
     n_fwd = plain.forward_ops
-    if [op[1] for op in forward_only.ops[: forward_only.forward_ops]] != [
-        op[1] for op in plain.ops[:n_fwd]
+    if [op.name for op in forward_only.ops[: forward_only.forward_ops]] != [
+        op.name for op in plain.ops[:n_fwd]
     ]:
         raise ProfileError(
             "the forward ran different ops on two runs with the same RNG state and buffers; "
@@ -172,16 +172,16 @@ def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]
         )
     died: dict[tuple[int, int], int] = {}
     for op in forward_only.ops:
-        for ordinal, sid in enumerate(op[7]):
-            died[(op[0], ordinal)] = forward_only.storages[sid].free_ops_done
+        for ordinal, sid in enumerate(op.outputs):
+            died[(op.index, ordinal)] = forward_only.storages[sid].free_ops_done
     natural = [NEVER] * len(plain.storages)
     for op in plain.ops[:n_fwd]:
-        for ordinal, sid in enumerate(op[7]):
-            done = died.get((op[0], ordinal), -1)
+        for ordinal, sid in enumerate(op.outputs):
+            done = died.get((op.index, ordinal), -1)
             if 0 <= done < n_fwd:
-                natural[sid] = plain.ops[done][8] - 1
+                natural[sid] = plain.ops[done].position - 1
             elif done == n_fwd:
-                natural[sid] = plain.ops[n_fwd - 1][8] + 1
+                natural[sid] = plain.ops[n_fwd - 1].position + 1
     return natural
 
 
@@ -341,10 +341,10 @@ def _assemble(
 ) -> Profile:
     main = passes[0]
     natural = _natural_frees(forward_only, main)
-    names = [op[1] for op in main.ops]
-    same = [p for p in passes if [op[1] for op in p.ops] == names]
+    names = [op.name for op in main.ops]
+    same = [p for p in passes if [op.name for op in p.ops] == names]
     times = _shared_times(
-        main, [low_estimate(p.ops[i][5] for p in same) for i in range(len(names))]
+        main, [low_estimate(p.ops[i].elapsed for p in same) for i in range(len(names))]
     )
     device = _device_of(model)
     if step_time > 0:  # measured, not estimated: reuse this process's first measurements
@@ -354,8 +354,8 @@ def _assemble(
         )
     workspaces = main.workspaces or [0] * len(main.ops)
     provisional = [
-        OpRecord(op[0], op[1], op[2], op[3], op[4], times[op[0]], op[6], op[7], op[8],
-                 workspaces[op[0]])
+        OpRecord(op.index, op.name, op.backward, op.unit, op.local, times[op.index], op.flops,
+                 op.outputs, op.position, workspaces[op.index])
         for op in main.ops
     ]  # fmt: skip
     unit_records, renumber = _units(main, units, provisional)
@@ -407,7 +407,7 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
     """
     groups: dict[tuple, list[int]] = {}
     for op in recorder.ops:
-        groups.setdefault(_signature(recorder, op), []).append(op[0])
+        groups.setdefault(_signature(recorder, op), []).append(op.index)
     pooled = list(times)
     for members in groups.values():
         if len(members) > 1:
@@ -417,9 +417,9 @@ def _shared_times(recorder: StepRecorder, times: list[float]) -> list[float]:
     return pooled
 
 
-def _signature(recorder: StepRecorder, op: tuple) -> tuple:
+def _signature(recorder: StepRecorder, op: RecordedOp) -> tuple:
     """What makes two ops the same work: name, phase, FLOPs and output sizes."""
-    return (op[1], op[2], op[6], tuple(recorder.storages[s].nbytes for s in op[7]))
+    return (op.name, op.backward, op.flops, tuple(recorder.storages[s].nbytes for s in op.outputs))
 
 
 def _device_of(model: nn.Module) -> str:

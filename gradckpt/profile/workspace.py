@@ -64,10 +64,10 @@ def op_workspaces(recorder: StepRecorder, events: MemoryEvents, device: torch.de
     block = allocator_block_bytes if device.type == "cuda" else (lambda n: n)
     out = []
     for op in recorder.ops:
-        span = spans.get(op[0])
+        span = spans.get(op.index)
         if span is None:
             out.append(0)
             continue
-        outputs = sum(block(recorder.storages[s].nbytes) for s in op[7])
+        outputs = sum(block(recorder.storages[s].nbytes) for s in op.outputs)
         out.append(max(0, span.peak - span.before + span.loose - outputs))
     return out

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.apply.apply import applied_units
+from gradckpt.engine.offload_runtime import OffloadRuntime
 from gradckpt.integrations.hf_zoo import hf_example, run_step
 from gradckpt.plan import Plan, UnitChoice, simulate
 from gradckpt.plan.offload_cost import OffloadOptions
@@ -29,8 +30,8 @@ def _one_thread():
 
 
 def _host_peak(model) -> int:
-    (session,) = {id(s.offload.session): s.offload.session
-                  for s in applied_units(model).values() if s.offload is not None}.values()  # fmt: skip
+    (session,) = {id(s.runtime.session): s.runtime.session
+                  for s in applied_units(model).values() if isinstance(s.runtime, OffloadRuntime)}.values()  # fmt: skip
     return session.backend.peak_host_bytes
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradckpt.plan.brute import ReferenceDP, all_schedules, brute_force, evaluate
-from gradckpt.plan.dp import NESTED, TOP, Chain, ChainDP, Option, Stage
+from gradckpt.plan.dp import NESTED, TOP, Chain, ChainDP, Option, SegmentStep, Stage, UnitStep
 
 sizes = st.integers(min_value=0, max_value=6)
 times = st.integers(min_value=1, max_value=20).map(float)
@@ -169,7 +169,7 @@ def test_long_chains_with_segments_equal_the_reference():
         if math.isfinite(reference.best_time(m)):
             tree = fast.schedule(m)
             assert tree == reference.schedule(m)
-            segments += any(node[0] == "segment" for node in tree)
+            segments += any(isinstance(node, SegmentStep) for node in tree)
     assert segments > 0  # the segment rows were exercised, not only the stage-alone ones
 
 
@@ -182,18 +182,18 @@ def _stage(joins: bool, none: int = 1) -> Stage:
 def test_segments_reach_below_every_stage_checkpointed():
     chain = Chain(tuple(_stage(i > 0) for i in range(6)), capacity=60)
     dp = ChainDP(chain)
-    every = [("unit", i, 1) for i in range(6)]
+    every = [UnitStep(i, 1) for i in range(6)]
     need_every, _ = evaluate(chain, every)
     least = dp.least_feasible()
     assert least is not None and least < need_every
-    assert any(node[0] == "segment" for node in dp.schedule(least))
+    assert any(isinstance(node, SegmentStep) for node in dp.schedule(least))
 
 
 def test_no_segment_across_stages_that_do_not_chain():
     chain = Chain(tuple(_stage(False) for i in range(5)), capacity=60)
     dp = ChainDP(chain)
     for m in range(dp.least_feasible(), chain.capacity + 1):
-        assert all(node[0] == "unit" for node in dp.schedule(m))
+        assert all(isinstance(node, UnitStep) for node in dp.schedule(m))
 
 
 def test_contexts_are_distinct_tables():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradckpt.plan.brute import all_schedules, brute_force, evaluate
-from gradckpt.plan.dp import Chain, ChainDP, Option, Stage
+from gradckpt.plan.dp import Chain, ChainDP, Option, Stage, UnitStep
 from gradckpt.plan.offload_solve import host_bytes_of, solve_chain_priced
 from gradckpt.profile.records import NEVER
 
@@ -51,10 +51,10 @@ def chains(draw, max_stages=4, capacity=28):
 
 def _nodes(tree, nested=False):
     for node in tree:
-        if node[0] == "unit":
+        if isinstance(node, UnitStep):
             yield node, nested
         else:
-            yield from _nodes(node[1], True)
+            yield from _nodes(node.schedule, True)
 
 
 @settings(max_examples=120, deadline=None)
@@ -76,8 +76,8 @@ def test_offload_is_never_chosen_inside_a_segment(chain):
     for m in range(chain.capacity + 1):
         if dp.best_time(m) == float("inf"):
             continue
-        for (_kind, _stage, option), nested in _nodes(dp.schedule(m)):
-            assert not (nested and option == 2)
+        for node, nested in _nodes(dp.schedule(m)):
+            assert not (nested and node.option == 2)
 
 
 def _host(chain: Chain, per_stage: list[int]) -> list[list[int]]:
@@ -127,10 +127,10 @@ def test_offload_wins_when_recompute_is_dear_and_the_link_is_hidden():
     dp = ChainDP(chain)
     tree = dp.schedule(12)
     # The last stage's kept bytes are never held under another stage's run: it keeps.
-    assert [node[2] for node in tree] == [2, 2, 0]
+    assert [node.option for node in tree] == [2, 2, 0]
     assert dp.best_time(12) == brute_force(chain, 12)[0] == 1.1 + 1.1 + 1.0
     # With the host holding only one stage's worth, one offloads and one recomputes.
     tree, seconds = solve_chain_priced(chain, [[0, 0, 1]] * 3, 12, 1)
     # (Identical stages: a single price would switch both at once; the pricing breaks ties.)
-    assert sorted(node[2] for node in tree) == [0, 1, 2]
+    assert sorted(node.option for node in tree) == [0, 1, 2]
     assert seconds == 1.1 + 3.0 + 1.0

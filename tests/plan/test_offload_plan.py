@@ -12,6 +12,7 @@ import pytest
 
 import gradckpt
 from gradckpt.apply.apply import applied_units
+from gradckpt.engine.offload_runtime import OffloadRuntime
 from gradckpt.plan import Plan, UnitChoice, simulate
 from gradckpt.plan.offload_cost import OffloadOptions
 from gradckpt.plan.offload_sim import offload_effect
@@ -37,8 +38,8 @@ def _run_applied(ex, plan):
     gradckpt.apply(ex.model, plan)
     try:
         step = run_step(ex)
-        sessions = {id(s.offload.session): s.offload.session for s in
-                    applied_units(ex.model).values() if s.offload is not None}  # fmt: skip
+        sessions = {id(s.runtime.session): s.runtime.session for s in
+                    applied_units(ex.model).values() if isinstance(s.runtime, OffloadRuntime)}  # fmt: skip
     finally:
         gradckpt.remove(ex.model)
     (session,) = sessions.values()

@@ -1,6 +1,7 @@
-"""The runtime side of ``offload`` units: one offload session per applied model.
+"""The runtime side of ``Offload`` units: one offload session per applied model.
 
-``apply`` gives every offloaded unit's spec the same :class:`OffloadRuntime`;
+``apply`` gives every offloaded unit's spec the same :class:`OffloadRuntime`
+(made by the offload kind's handler, :mod:`gradckpt.plan.kinds.offload`);
 its session (made at the first call, for the device the unit's tensors are on)
 orders the copies of all of them: the one-deep forward stash and the prefetch
 run across units. On CPU the backend is the host copy (exact, no overlap); on
@@ -16,7 +17,7 @@ import torch
 from gradckpt.engine.offload import OffloadSession, run_offloaded
 from gradckpt.engine.offload_store import HostCopyBackend
 
-__all__ = ["OffloadRuntime", "offload_runtime"]
+__all__ = ["OffloadRuntime"]
 
 
 class OffloadRuntime:
@@ -62,12 +63,3 @@ def _first_device(args: tuple, kwargs: dict) -> torch.device:
     flat, _ = tree_flatten((args, kwargs))
     return next((x.device for x in flat if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
-
-def offload_runtime(plan: Any) -> OffloadRuntime | None:
-    """The runtime for ``plan``'s offloaded units (None if it offloads nothing)."""
-    from gradckpt.plan.offload_cost import OffloadOptions
-
-    if not any(u.mode == "offload" for u in plan.units):
-        return None
-    options = plan.offload or OffloadOptions()
-    return OffloadRuntime(options.min_bytes, options.prefetch, options.host_budget)
