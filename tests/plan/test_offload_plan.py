@@ -80,8 +80,9 @@ def test_prefetch_can_raise_the_peak_and_the_simulator_sees_it(zoo):
 def test_a_slow_link_costs_stall_and_prefetch_hides_some_of_it(zoo):
     _, prof, _ = zoo.get("gpt")
     moved = simulate(prof, _offload_blocks(prof)).host_bytes
-    # A link that needs a whole plain step to move everything: slower than the compute.
-    rate = moved / prof.step_time
+    # A link so slow that each block's copy (a quarter of the bytes) takes as long as
+    # all the step's profiled compute: no window can hide it.
+    rate = moved / (4 * sum(op.time for op in prof.ops))
     slow = dict(d2h_bandwidth=rate, h2d_bandwidth=rate, min_bytes=1024)
     ahead = simulate(prof, _offload_blocks(prof, OffloadOptions(**slow)))
     late = simulate(prof, _offload_blocks(prof, OffloadOptions(**slow, prefetch=False)))
