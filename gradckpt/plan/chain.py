@@ -24,7 +24,7 @@ from gradckpt.plan.dp import Chain, Option, Stage
 from gradckpt.plan.handlers import handler_for, handlers
 from gradckpt.plan.offload_cost import OffloadOptions
 from gradckpt.plan.plan import Plan, UnitChoice
-from gradckpt.plan.simulate import live_trace
+from gradckpt.plan.simulate import live_trace, region_state_bytes
 from gradckpt.policies import MATMUL_OPS
 from gradckpt.profile.records import NEVER, PackRecord, Profile, UnitRecord
 
@@ -113,10 +113,17 @@ def candidate_sets(
 
 
 def _kept_bytes(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
-    """Bytes the unit holds from its forward to its backward, besides its input and output."""
-    sids = handler_for(option).kept_storages(profile, unit, option, look)
+    """Bytes the unit holds from its forward to its backward, besides its input and output.
+
+    A region also keeps its RNG state until its backward: counted here, as held by
+    the stage, and not in the requirements of the stages after it, which would then
+    differ block by block and no two blocks could share the DP's tables.
+    """
+    kind = handler_for(option)
+    state = region_state_bytes(profile) if kind.opens_region else 0
+    sids = kind.kept_storages(profile, unit, option, look)
     sids.discard(unit.output)
-    return sum(profile.storages[s].nbytes for s in sids)
+    return state + sum(profile.storages[s].nbytes for s in sids)
 
 
 def _own_forward_peak(profile: Profile, unit: UnitRecord, option: Decision, look: _Lookup) -> int:
