@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Selective
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Offload, Selective
 from gradckpt.plan.dp import Chain, Option, Stage
 from gradckpt.plan.handlers import handler_for, handlers
 from gradckpt.plan.offload_cost import OffloadOptions
@@ -58,17 +60,21 @@ class _Lookup:
 
     packs: dict[int, list[PackRecord]]  # unit index -> its packs
     forward_positions: list[int]  # position of each forward op
-    # What the chain is built for beyond the profile: the plannable units in order and
-    # the offload link (None: no offload), for kinds whose costs depend on them.
+    #: What the decision kinds read besides the profile: the chain's units in order
+    #: (a kind may cost a stage by its neighbours) and per Decision class the
+    #: settings ``build_chain`` was given for it (e.g. a link's bandwidth).
     units: tuple[UnitRecord, ...] = ()
-    offload: OffloadOptions | None = None
+    settings: Mapping[type, Any] = field(default_factory=dict)
 
 
-def _lookup(profile: Profile) -> _Lookup:
+def _lookup(
+    profile: Profile, units: tuple[UnitRecord, ...] = (), settings: Mapping[type, Any] | None = None
+) -> _Lookup:
     packs: dict[int, list[PackRecord]] = {}
     for p in profile.packs:
         packs.setdefault(p.unit, []).append(p)
-    return _Lookup(packs, [op.position for op in profile.ops[: profile.forward_ops]])
+    positions = [op.position for op in profile.ops[: profile.forward_ops]]
+    return _Lookup(packs, positions, units, dict(settings or {}))
 
 
 def _stop(profile: Profile, unit: UnitRecord, look: _Lookup | None = None) -> int:
@@ -208,7 +214,7 @@ def _window_levels(positions: list[int], lives: list[int], window) -> tuple[int,
 
 
 def build_chain(
-    profile: Profile, grid: int | None = None, offload: OffloadOptions | None = None
+    profile: Profile, grid: int | None = None, *, settings: Mapping[type, Any] | None = None
 ) -> ChainModel:
     """The DP chain for ``profile`` on a memory grid of ``grid`` steps up to the plain peak.
 
@@ -216,11 +222,16 @@ def build_chain(
     keeps is rounded to the grid and summed along the chain, so a block that keeps
     one or two steps would make the model miss by a quarter on 400 blocks.
 
-    With ``offload`` options, every block also gets an ``Offload`` option (third
-    after keep and recompute; :mod:`gradckpt.plan.kinds.offload`): it holds what it
-    does not move, its time adds the copies' stall with the next unit's compute as
-    the overlap windows, and (like any kind whose handler is not ``nested``) it is
-    never chosen inside a segment's recompute.
+    ``settings`` maps a Decision class to what its kind's handler reads while it
+    offers and costs options (``look.settings``); a kind may offer nothing unless
+    it is given settings.
+
+    With ``settings={Offload: OffloadOptions(...)}``, every block also gets an
+    ``Offload`` option (third after keep and recompute;
+    :mod:`gradckpt.plan.kinds.offload`): it holds what it does not move, its time
+    adds the copies' stall with the next unit's compute as the overlap windows, and
+    (like any kind whose handler is not ``nested``) it is never chosen inside a
+    segment's recompute.
 
     Example:
         >>> model = build_chain(prof)
@@ -230,7 +241,8 @@ def build_chain(
     if not units:
         raise ValueError("the model has no unit that can be checkpointed")
     grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
-    look = replace(_lookup(profile), units=units, offload=offload)
+    look = _lookup(profile, units, settings)
+    offload = look.settings.get(Offload)  # the link offload options are costed for
     kinds = list(handlers())
     stage_options: list[list[Decision]] = []
     for u in units:

@@ -159,7 +159,7 @@ def solve_offload(
         candidates.append(solve_dp(profile, budget, segments=segments))
     except BudgetError as e:
         error = e
-    model = model or with_engine_costs(build_chain(profile, offload=options), profile)
+    model = model or with_engine_costs(build_chain(profile, settings={Offload: options}), profile)
     host = _host_table(model, profile)
     limit = options.host_budget
     scale = profile.step_time / max(1, sum(max(h) for h in host))
@@ -210,7 +210,7 @@ def offload_candidates(
     budgets = sorted(set(budgets))
     if len(budgets) > most:
         budgets = [budgets[round(i * (len(budgets) - 1) / (most - 1))] for i in range(most)]
-    model = with_engine_costs(build_chain(profile, offload=options), profile)
+    model = with_engine_costs(build_chain(profile, settings={Offload: options}), profile)
     plans = []
     for budget in budgets:
         try:

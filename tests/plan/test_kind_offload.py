@@ -28,8 +28,8 @@ def gpt(zoo):
 def test_offered_to_blocks_only_and_only_with_offload_options(gpt):
     prof, units = gpt
     handler = handler_for(OFFLOAD)
-    plain_look = _lookup(prof)
-    look = _lookup(prof).__class__(**{**plain_look.__dict__, "units": units, "offload": OPTIONS})
+    plain_look = _lookup(prof, units)
+    look = _lookup(prof, units, {gradckpt.Offload: OPTIONS})
     for u in units:
         assert handler.stage_options(prof, u, plain_look) == []
         assert handler.stage_options(prof, u, look) == ([OFFLOAD] if u.is_block else [])
@@ -37,7 +37,7 @@ def test_offered_to_blocks_only_and_only_with_offload_options(gpt):
 
 def test_holds_what_keep_holds_less_what_it_moves(gpt):
     prof, units = gpt
-    look = _lookup(prof).__class__(**{**_lookup(prof).__dict__, "units": units, "offload": OPTIONS})
+    look = _lookup(prof, units, {gradckpt.Offload: OPTIONS})
     block = next(u for u in units if u.is_block)
     keep = KeepHandler().kept_storages(prof, block, gradckpt.Keep(), look)
     held = handler_for(OFFLOAD).kept_storages(prof, block, OFFLOAD, look)
@@ -48,7 +48,7 @@ def test_holds_what_keep_holds_less_what_it_moves(gpt):
 
 def test_its_time_is_the_stall_and_it_is_never_nested(gpt):
     prof, units = gpt
-    model = build_chain(prof, offload=OPTIONS)
+    model = build_chain(prof, settings={gradckpt.Offload: OPTIONS})
     for u, options, stage in zip(model.units, model.options, model.chain.stages):
         if not u.is_block:
             assert OFFLOAD not in options

@@ -44,7 +44,9 @@ class SaveEverythingHandler(RecomputeHandler):
         return frozenset(range(unit.first_op, unit.end_op))
 
     def stage_options(self, profile, unit, look):
-        return [SaveEverything()] if unit.is_block else []
+        # Offered only when planning asks for it (as offload is, with its link's settings).
+        wanted = look.settings.get(SaveEverything, False)
+        return [SaveEverything()] if wanted and unit.is_block else []
 
     def policy(self, path, decision):
         return policies.save_all
@@ -130,7 +132,8 @@ def _toy_plan(prof, kind: Decision) -> Plan:
 
 def test_a_registered_kind_is_offered_to_the_dp_and_simulated(zoo, toy_kind):
     _, prof, _ = zoo.get("dropout_mlp")
-    model = build_chain(prof)
+    assert not any(SaveEverything() in options for options in build_chain(prof).options)
+    model = build_chain(prof, settings={SaveEverything: True})
     for unit, options, stage in zip(model.units, model.options, model.chain.stages):
         assert (SaveEverything() in options) == unit.is_block
         if unit.is_block:

@@ -1,7 +1,7 @@
 """``Offload``: the unit runs plainly; what it saves goes to host memory and comes back.
 
 In the planner (only when the chain is built with offload options,
-``build_chain(profile, offload=...)``): blocks offer an ``Offload`` option that
+``build_chain(profile, settings={Offload: OffloadOptions(...)})``): blocks offer an ``Offload`` option that
 holds on the device what it does not move (:func:`moved_storages`: what the
 unit made itself, not its output, at least ``min_bytes``), and whose time adds
 the copies' stall with the next unit's compute as overlap windows
@@ -37,20 +37,20 @@ class OffloadHandler(KeepHandler):
     nested = False  # rerun inside a segment's recompute, it runs as Keep (see run)
 
     def stage_options(self, profile: Profile, unit: UnitRecord, look: _Lookup) -> list[Decision]:
-        return [OFFLOAD] if look.offload is not None and unit.is_block else []
+        return [OFFLOAD] if look.settings.get(Offload) is not None and unit.is_block else []
 
     def kept_storages(
         self, profile: Profile, unit: UnitRecord, decision: Decision, look: _Lookup
     ) -> set[int]:
         kept = super().kept_storages(profile, unit, decision, look)
-        min_bytes = (look.offload or OffloadOptions()).min_bytes
+        min_bytes = (look.settings.get(Offload) or OffloadOptions()).min_bytes
         return kept - set(moved_storages(profile, unit, min_bytes))
 
     def recompute_seconds(
         self, profile: Profile, unit: UnitRecord, decision: Decision, look: _Lookup
     ) -> float:
         """Not recompute: the seconds compute waits for this unit's copies (the DP's estimate)."""
-        options = look.offload or OffloadOptions()
+        options = look.settings.get(Offload) or OffloadOptions()
         index = next((i for i, u in enumerate(look.units) if u.index == unit.index), None)
         if index is None:
             return 0.0
