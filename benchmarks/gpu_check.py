@@ -22,7 +22,9 @@ reserved, not allocated), ``roundup_power2_divisions`` (further rounding of
 large blocks, off by default), and memory other libraries allocate outside
 torch's allocator (NCCL buffers, the CUDA context). Then it runs the frontier benchmark (``benchmarks/frontier.py``'s
 ``run_model``) and the Hugging Face benchmark (``benchmarks/hf_models.py``) at GPU
-sizes while time is left (``--time-limit``, default 7 minutes).
+sizes while time is left (``--time-limit``, default 7 minutes), and the offload
+contenders (``benchmarks/offload_gpu.py``: gradckpt with offload, full
+checkpointing, offload-everything + full checkpointing) side by side.
 
 Writes ``benchmarks/results/gpu-check-<gpu>-<date>.md`` (and ``.json``).
 
@@ -272,7 +274,10 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:.2f}"
 
 
-def report(gpu: str, checks: list[dict], frontier: list[dict], notes: list[str], info: dict) -> str:
+def report(
+    gpu: str, checks: list[dict], frontier: list[dict], notes: list[str], info: dict,
+    offload: dict | None = None,
+) -> str:  # fmt: skip
     lines = [
         f"# gradckpt GPU check: {gpu} ({info['date']})",
         "",
@@ -317,6 +322,10 @@ def report(gpu: str, checks: list[dict], frontier: list[dict], notes: list[str],
                     f"{_mib(b.get('gradckpt_peak'))} | {_mib(b.get('gradckpt_predicted_peak'))} | "
                     f"{'-' if ratio is None else f'{ratio:.3f}'} | {b.get('best_baseline') or '-'} |"
                 )
+    if offload:
+        from benchmarks.offload_gpu import report_lines
+
+        lines += report_lines(offload)
     lines += ["", "## Notes", "", *(f"- {n}" for n in notes), "", "## Setup", ""]
     lines += [f"- **{k}**: {v}" for k, v in info.items()]
     return "\n".join(lines) + "\n"
@@ -383,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if not dry:
             torch.cuda.empty_cache()
     frontier: list[dict] = []
+    offload: dict | None = None
     if not args.skip_benchmarks:
         if left() > 60:
             try:
@@ -391,6 +401,15 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"frontier benchmark failed: {type(e).__name__}: {str(e)[:300]}")
         else:
             notes.append("frontier benchmark: skipped, out of time")
+        if left() > 60:
+            try:
+                from benchmarks.offload_gpu import run_offload_contenders
+
+                offload = run_offload_contenders(dry, device, lambda s: print(s, flush=True))
+            except Exception as e:
+                notes.append(f"offload contenders failed: {type(e).__name__}: {str(e)[:300]}")
+        else:
+            notes.append("offload contenders: skipped, out of time")
         if left() > 30:
             notes.append(run_hf_benchmark(dry, args.out, left(), print))
         else:
@@ -416,10 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / f"gpu-check-{slug}-{date}.md"
-    md.write_text(report(gpu, checks, frontier, notes, info))
+    md.write_text(report(gpu, checks, frontier, notes, info, offload))
     md.with_suffix(".json").write_text(json.dumps(
-        {"info": info, "checks": checks, "frontier": frontier, "notes": notes}, indent=1,
-        default=str))  # fmt: skip
+        {"info": info, "checks": checks, "frontier": frontier, "offload": offload,
+         "notes": notes}, indent=1, default=str))  # fmt: skip
     print(f"{passed}/{len(rows)} rows met the target; wrote {md}")
     return 0 if passed == len(rows) and rows else 1
 

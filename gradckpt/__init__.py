@@ -32,6 +32,7 @@ from gradckpt.engine import (
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.errors import PlanFormatError
+from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.planset import PlanSet
 from gradckpt.profiling import Profile
@@ -48,6 +49,7 @@ __all__ = [
     "FrontierPoint",
     "Keep",
     "Offload",
+    "OffloadOptions",
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",

@@ -23,6 +23,7 @@ from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
 from gradckpt.planning.budget import check_budget
 from gradckpt.planning.explain import Explanation
+from gradckpt.planning.offload_cost import OffloadOptions, offload_options
 from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.planset import PlanSet, ShapeKey
@@ -101,6 +102,16 @@ def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
     return profile_step(model, loss_fn, **options)
 
 
+def _offload_for(offload: object, solver: object) -> OffloadOptions | None:
+    """``offload=`` checked and as options (None: off)."""
+    options = offload_options(offload)
+    if options is not None and solver != "dp":
+        raise ValueError(
+            f"offload= works with solver='dp' (the baselines only recompute); got solver={solver!r}"
+        )
+    return options
+
+
 def _profile(model: nn.Module, loss_fn: LossFn, options: PlanOptions) -> Profile:
     if options.profile is not None:
         return options.profile
@@ -120,6 +131,7 @@ def plan(
     shapes: Sequence[Any] | None = None,
     loss_from: replan.LossFrom | None = None,
     seq_dim: int = 1,
+    offload: bool | OffloadOptions = False,
 ) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
@@ -141,6 +153,10 @@ def plan(
             profiled under fake tensors, see :mod:`gradckpt.replan`.
         loss_from: with ``shapes``, how a model call's output becomes the loss.
         seq_dim: with integer ``shapes``, the inputs' sequence dimension.
+        offload: also consider moving blocks' saved tensors to host memory (the DP
+            chooses keep, recompute or offload per block): True (a 25 GB/s link, no
+            host budget) or :class:`gradckpt.OffloadOptions` (bandwidth, host budget,
+            min bytes). On CPU the time it costs is simulated from that bandwidth.
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
@@ -156,9 +172,10 @@ def plan(
     """
     _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
-    options = PlanOptions(blocks, solver, repeats, profile, segments)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, _offload_for(offload, solver))
     if shapes is None:
-        return Planner(_profile(model, loss_fn, options), segments=segments).plan(budget, solver)
+        prof = _profile(model, loss_fn, options)
+        return Planner(prof, segments=segments, offload=options.offload).plan(budget, solver)
     fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
     if fitted is None:
         raise ValueError(
@@ -193,6 +210,7 @@ def fit(
     profile: Profile | None = None,
     segments: bool = True,
     compile: bool | dict[str, Any] = False,
+    offload: bool | OffloadOptions = False,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
@@ -226,7 +244,7 @@ def fit(
             about what profiling costs. The plan records ``measured_overhead`` next
             to ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
-        blocks, solver, repeats, profile, segments: as for :func:`plan`.
+        blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
         compile: True or ``torch.compile`` arguments: run the plan inside one
             compiled graph (:func:`gradckpt.compile`; plans then have no
             segments). A call at a new shape reinstalls the eager plan for it.
@@ -249,6 +267,12 @@ def fit(
         profile=profile,
         segments=segments,
     )  # before the model is touched; fmt: skip
+    offload_opts = _offload_for(offload, solver)
+    if offload_opts is not None and compile:
+        raise ValueError(
+            "gradckpt: offload= and compile= cannot be combined yet (offload runs on the "
+            "eager engine's saved-tensor hooks); drop one of them"
+        )
     if on_new_shape not in shape_guard.POLICIES:
         raise ValueError(
             f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
@@ -262,7 +286,7 @@ def fit(
             f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
             f"measurement off), got {measure_candidates!r}"
         )
-    options = PlanOptions(blocks, solver, repeats, profile, segments)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts)
     with adapters.training(model):  # transformers: use_cache off for training, said once
         fitted, chosen, _ = api_shapes.plan_fitted(
             model, loss_fn, budget, options, measure_candidates
@@ -300,8 +324,13 @@ def frontier(
     blocks: BlockSpec = None,
     repeats: int = 3,
     profile: Profile | None = None,
+    offload: bool | OffloadOptions = False,
 ) -> list[FrontierPoint]:
     """The memory-time Pareto curve, from the least feasible peak to the plain step.
+
+    With ``offload``, the plans that also offload blocks join the candidates
+    (planned at each candidate's peak), so the curve is at or below the one
+    without offload everywhere.
 
     Example:
         >>> for point in gradckpt.frontier(model, loss_fn):
@@ -309,7 +338,8 @@ def frontier(
     """
     _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     options = PlanOptions(blocks=blocks, repeats=repeats, profile=profile)
-    return Planner(_profile(model, loss_fn, options)).frontier(points)
+    offload_opts = _offload_for(offload, "dp")
+    return Planner(_profile(model, loss_fn, options), offload=offload_opts).frontier(points)
 
 
 def explain(
@@ -319,6 +349,7 @@ def explain(
     *,
     budget: int | float | str | None = None,
     blocks: BlockSpec = None,
+    offload: bool | OffloadOptions = False,
 ) -> Explanation:
     """Every storage the step keeps for backward, why, the totals and the peak.
 
@@ -329,6 +360,8 @@ def explain(
             the plan :func:`gradckpt.apply` installed on it).
         budget: instead of ``plan``, plan for this budget first (see :func:`plan`).
         blocks: block paths or predicate, passed to the profiler.
+        offload: with ``budget``, plan with offload too (see :func:`plan`);
+            offloaded units say what moves, when, and what the link costs.
 
     Returns:
         An :class:`~gradckpt.planning.explain.Explanation`: ``rows``, ``units``,
@@ -339,6 +372,7 @@ def explain(
     """
     if budget is not None:
         check_budget(budget)
+    offload_opts = _offload_for(offload, "dp")
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:
@@ -348,4 +382,4 @@ def explain(
         if plan is None and budget is None:
             plan = applied_plan(model_or_profile)
         prof = profile_step(model_or_profile, loss_fn, blocks=blocks, repeats=1)
-    return Planner(prof).explain(budget, plan)
+    return Planner(prof, offload=offload_opts).explain(budget, plan)

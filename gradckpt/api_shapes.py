@@ -22,6 +22,7 @@ from gradckpt import replan
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
 from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Plan, Segment
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.planset import ShapeKey
@@ -47,6 +48,7 @@ class PlanOptions:
     repeats: int = 3
     profile: Profile | None = None
     segments: bool = True
+    offload: OffloadOptions | None = None
 
 
 def plan_fitted(
@@ -77,7 +79,7 @@ def plan_fitted(
         # The step never runs the model's own forward (a trainer calling its parts):
         # a segment opens only inside that forward, so plan unit by unit.
         segments = False
-    planner = Planner(prof, segments=segments)
+    planner = Planner(prof, segments=segments, offload=options.offload)
     budget_bytes = planner.budget_bytes(budget)
     chosen = planner.plan(budget_bytes, options.solver)
     measured = measure_candidates and not prof.fake
@@ -94,7 +96,7 @@ def plan_fitted(
                 recording()  # only to see the call's shapes; nothing is allocated
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = Planner(prof, segments=False).plan(budget_bytes, options.solver)
+            chosen = Planner(prof, segments=False, offload=options.offload).plan(budget_bytes, options.solver)
     return (calls[0] if calls else None), chosen, prof
 
 
@@ -118,7 +120,7 @@ def shape_planner(
         return profile_step(model, step, blocks=options.blocks, fake=True)
 
     def solve_profile(prof: Profile) -> Plan:
-        return Planner(prof, segments=options.segments).plan(budget_bytes, options.solver)
+        return Planner(prof, segments=options.segments, offload=options.offload).plan(budget_bytes, options.solver)
 
     return replan.ShapePlanner(
         model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale

@@ -85,6 +85,18 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON only (machine-readable)")
 
 
+def _offload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--offload", type=float, nargs="?", const=25.0, default=None, metavar="GB/S",
+        help="also consider offloading blocks' saved tensors to host memory over a link of "
+        "GB/S each way (default 25, PCIe Gen4 class; on CPU the time is simulated)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-budget", type=_budget, default=None, metavar="BYTES",
+        help="with --offload: most bytes held in host memory (800MB, 8GiB; default: no limit)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
     from gradckpt.planning.solvers import SOLVERS
@@ -143,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(SOLVERS),
         help="dp (default, the least recompute) or a hand-placed baseline, for comparison",
     )  # fmt: skip
+    _offload_flags(plan)
     _common(plan)
 
     exp = sub.add_parser(
@@ -161,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--units", dest="units_only", action="store_true",
         help="one line per unit instead of one per tensor",
     )  # fmt: skip
+    _offload_flags(exp)
     _common(exp)
 
     bench = sub.add_parser(

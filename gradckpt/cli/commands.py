@@ -15,6 +15,7 @@ from gradckpt.cli.common import (
     describe_plan,
     jsonable_profile,
     least_peak,
+    offload_from_args,
     pct,
     plan_for,
     plan_units_table,
@@ -68,9 +69,10 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
     if args.plot:
         check_writable(args.plot, "--plot")
         require("matplotlib", "--plot")
+    offload = offload_from_args(args)  # bad flags fail before the profile
     target, prof = _target_and_profile(args, out)
     planner = Planner(prof)  # the chain and DP, built once for every question below
-    plan = plan_for(planner, args.budget, args.solver, target.name)
+    plan = plan_for(planner, args.budget, args.solver, target.name, offload)
     least = least_peak(planner)
     explanation = planner.explain(plan=plan)
     path = Path(args.out)
@@ -129,7 +131,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
     try:
         return gradckpt.plan(
             target.model, target.loss_fn, plan.budget_bytes, shapes=args.shapes, profile=prof,
-            solver=args.solver, blocks=_blocks(args),
+            solver=args.solver, blocks=_blocks(args), offload=offload_from_args(args) or False,
         )  # fmt: skip
     except BudgetError as e:
         raise CliError(f"--shapes: {str(e).splitlines()[0]}") from e
@@ -154,7 +156,7 @@ def run_explain(args: argparse.Namespace, out: Out) -> int:
     target, prof = _target_and_profile(args, out)
     planner = Planner(prof)
     if args.budget is not None:
-        plan = plan_for(planner, args.budget, "dp", target.name)
+        plan = plan_for(planner, args.budget, "dp", target.name, offload_from_args(args))
     try:
         explanation = planner.explain(plan=plan)
     except ValueError as e:  # a plan naming units this target does not have

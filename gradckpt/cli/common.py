@@ -129,14 +129,40 @@ def least_peak(planner: Planner) -> int:
     return planner.least_peak()[1].peak_bytes
 
 
-def plan_for(planner: Planner, budget: int | float | str, solver: str, name: str) -> Plan:
+def offload_from_args(args: Any) -> Any:
+    """``--offload [GB/S]`` and ``--host-budget`` as OffloadOptions (None without --offload)."""
+    from gradckpt.planning.budget import parse_budget
+    from gradckpt.planning.offload_cost import OffloadOptions
+
+    gbps = getattr(args, "offload", None)
+    host = getattr(args, "host_budget", None)
+    if gbps is None:
+        if host is not None:
+            raise CliError("--host-budget needs --offload")
+        return None
+    if not gbps > 0:
+        raise CliError(f"--offload takes a positive link speed in GB/s, got {gbps}")
+    if host is not None and (isinstance(host, float) or host == "least"):
+        raise CliError("--host-budget takes bytes with units (e.g. 8GiB), not a fraction")
+    try:
+        budget = parse_budget(host, 0) if host is not None else None
+        return OffloadOptions(d2h_bandwidth=gbps * 1e9, h2d_bandwidth=gbps * 1e9, host_budget=budget)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def plan_for(
+    planner: Planner, budget: int | float | str, solver: str, name: str, offload: Any = None
+) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
     from gradckpt.planning.budget import BudgetError
 
     prof = planner.profile
     nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
+    if offload is not None and solver != "dp":
+        raise CliError("--offload works with --solver dp (the baselines only recompute)")
     try:
-        return planner.plan(nbytes, solver)
+        return planner.plan(nbytes, solver, offload=offload)
     except BudgetError as e:
         least = e.least_peak_bytes if solver == "dp" else least_peak(planner)
         raise CliError(

@@ -8,7 +8,7 @@ until backward, ``RECOMPUTE`` lets the recompute pass run the op again.
 Decisions are typed values shared by every layer (engine policies, plan items,
 the simulator, apply): :class:`Keep`, :class:`Recompute`, :class:`Selective`
 (a region that keeps the outputs of some of its ops) and :class:`Offload`
-(saved tensors moved to host memory; its engine arrives with issue #12). They
+(saved tensors moved to host memory, :mod:`gradckpt.engine.offload`). They
 are frozen dataclasses, so a decision is data: compared by value, hashed,
 written to a plan file by its ``kind`` name. JAX's names (``Saveable``,
 ``Offloadable``, ``Recompute``) and torch's ``CheckpointPolicy`` values map
@@ -167,15 +167,10 @@ class Offload(Decision):
     """Offload: saved tensors move to host memory after the forward and come back for
     backward (torch's ``MUST_CPU_OFFLOAD``, JAX's ``Offloadable``).
 
-    A placeholder until issue #12 ("Offload as a third decision") adds its
-    engine backend and its planner handler; until then it is refused with
-    :attr:`unavailable` wherever it would have to run.
+    A unit decision: the unit runs plainly while what it saves goes to host memory
+    (:mod:`gradckpt.engine.offload`; which storages move, the link and the host
+    budget are the plan's ``offload`` options). Per-op policies cannot answer it.
     """
-
-    unavailable: ClassVar[str] = (
-        "offloading saved tensors to host memory is not implemented yet (issue #12, "
-        "'Offload as a third decision'); keep or recompute them instead"
-    )
 
 
 #: The decisions as a policy returns them (and as plans and the engine compare them).
@@ -189,8 +184,8 @@ Offloadable = Offload
 def engine_decision(cls: D) -> D:
     """Class decorator: let policies answer ``cls`` per op (the engine can run it).
 
-    Keep and Recompute are the engine's own; offload's engine (issue #12)
-    registers its decision here.
+    Keep and Recompute are the engine's own (``Offload`` is a unit decision: its
+    engine moves a whole unit's saved tensors, not one op's).
     """
     _ENGINE.add(cls)
     return cls
@@ -267,8 +262,8 @@ def as_decision(value: Any, op: Any, policy: Any) -> Decision:
     means save, as in JAX and torch) and torch's ``CheckpointPolicy`` values, so
     torch SAC policies work unchanged. Keep and Recompute come back as the
     ``SAVE``/``RECOMPUTE`` objects, so the engine may compare with ``is``. A
-    kind the engine cannot run per op (``Offload`` before issue #12, a unit-only
-    kind such as ``Selective``) raises a NotImplementedError/TypeError saying so.
+    kind the engine cannot run per op (a unit-only kind such as ``Selective`` or
+    ``Offload``) raises a NotImplementedError/TypeError saying so.
 
     Example:
         >>> as_decision(True, op, policy) is SAVE

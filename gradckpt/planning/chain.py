@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Selective
+from gradckpt.engine.decisions import KEEP, RECOMPUTE, Decision, Offload, Selective
 from gradckpt.planning.dp import Chain, Option, Stage
 from gradckpt.planning.handlers import handler_for, handlers
+from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Plan, UnitChoice
 from gradckpt.planning.simulate import live_trace, region_state_bytes
 from gradckpt.policies import MATMUL_OPS
@@ -45,6 +46,7 @@ class ChainModel:
     options: tuple[tuple[Decision, ...], ...]  # per stage: the decision of each DP option
     unit_bytes: int
     base_bytes: int  # parameters and buffers: outside the grid
+    offload: OffloadOptions | None = None  # the link offload options were costed for
 
     def to_units(self, nbytes: int) -> int:
         """Memory left for the chain under a budget of ``nbytes``, in grid units (floor)."""
@@ -224,6 +226,13 @@ def build_chain(
     offers and costs options (``look.settings``); a kind may offer nothing unless
     it is given settings.
 
+    With ``settings={Offload: OffloadOptions(...)}``, every block also gets an
+    ``Offload`` option (third after keep and recompute;
+    :mod:`gradckpt.planning.kinds.offload`): it holds what it does not move, its time
+    adds the copies' stall with the next unit's compute as the overlap windows, and
+    (like any kind whose handler is not ``nested``) it is never chosen inside a
+    segment's recompute.
+
     Example:
         >>> model = build_chain(prof)
         >>> model.chain.capacity, model.unit_bytes
@@ -233,6 +242,7 @@ def build_chain(
         raise ValueError("the model has no unit that can be checkpointed")
     grid = grid or max(_GRID, _GRID_PER_STAGE * len(units))
     look = _lookup(profile, units, settings)
+    offload = look.settings.get(Offload)  # the link offload options are costed for
     kinds = list(handlers())
     stage_options: list[list[Decision]] = []
     for u in units:
@@ -269,6 +279,7 @@ def build_chain(
                 for i, (u, k) in enumerate(zip(units, index))
             ),
             profile.fingerprint,
+            offload=offload,
         )
         positions, lives, _ = live_trace(profile, plan)
         held = 0
@@ -293,13 +304,16 @@ def build_chain(
         for k, option in enumerate(stage_options[i]):
             own = _own_forward_peak(profile, u, option, look)
             kind = handler_for(option)
-            recompute = kind.recompute_seconds(profile, u, option, look)
+            recompute = kind.recompute_seconds(profile, u, option, look)  # offload: its stall
             opts.append(
                 Option(
                     name=kind.option_name(option, k),
                     kept=near(kept[i][k]),
                     fwd=fwd_need[i][k],
-                    fwd_nested=own + max(0, bstart_background[i]) - later[i],
+                    # A kind that cannot run inside a segment's recompute (offload would
+                    # only move bytes back and forth there) is out of reach there.
+                    fwd_nested=(own + max(0, bstart_background[i]) - later[i])
+                    if kind.nested else NEVER,
                     bwd=bwd_need[i][k] - later[i],
                     time=u.fwd_time + u.bwd_time + recompute,
                 )
@@ -323,4 +337,5 @@ def build_chain(
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,
         base_bytes=profile.param_bytes,
+        offload=offload,
     )

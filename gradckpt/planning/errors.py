@@ -23,7 +23,7 @@ _NUMBERS = {
 }
 _OPTIONAL_NUMBERS = ("measured_overhead",)  # null when fit did not measure
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
-          "measured_overhead_range", "peak_level", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
+          "measured_overhead_range", "peak_level", "offload", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
 
 
 class PlanFormatError(ValueError):

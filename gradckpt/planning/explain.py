@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.handlers import handler_for
 from gradckpt.planning.plan import Plan, Segment, UnitChoice
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 OUTSIDE = "(outside units)"
-STATUSES = ("kept", "region input", "selective", "recomputed")
+STATUSES = ("kept", "region input", "selective", "recomputed", "offloaded")
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class Explanation:
             f"({sum(r.kept for r in self.rows)} storages)",
             f"bytes recomputed in backward: {format_bytes(self.recomputed_bytes)} "
             f"({sum(not r.kept for r in self.rows)} storages)",
+            *self._offloaded_line(),
             f"saved parameters and inputs (not counted, they exist anyway): "
             f"{self.pre_existing_saved}",
             self.peak.describe(),
@@ -212,6 +214,14 @@ class Explanation:
 
     def __str__(self) -> str:
         return self.table()
+
+    def _offloaded_line(self) -> list[str]:
+        moved = [r for r in self.rows if r.status == "offloaded"]
+        if not moved:
+            return []
+        total = format_bytes(sum(r.nbytes for r in moved))
+        return [f"of which offloaded to host between forward and backward: {total} "
+                f"({len(moved)} storages)"]  # fmt: skip
 
 
 def format_shape(shape: tuple[int, ...] | None) -> str:
@@ -277,6 +287,10 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
             out[item.path] = f"in {segment}, {mode} there" if segment else mode
 
     visit(plan.items, "")
+    if any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
+        from gradckpt.planning.offload_sim import describe_offload
+
+        out.update(describe_offload(prof, plan))
     return out
 
 
@@ -302,6 +316,7 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     def path(unit: int) -> str:
         return prof.units[unit].path if unit >= 0 else OUTSIDE
 
+    moved = _moved(prof, plan)
     rows: list[tuple[int, SavedStorage]] = []
     for sid in sorted(set(packs_of) | set(input_of) | set(kept_output_of)):
         storage = prof.storages[sid]
@@ -314,6 +329,8 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
                 why = "saved outside every unit (the loss or glue code): kept"
             elif not prof.units[unit].plannable:
                 why = f"{path(unit)} runs {prof.units[unit].calls} times: kept (not plannable)"
+            elif sid in moved:
+                status, why = "offloaded", moved[sid]
             else:
                 why = f"{path(unit)} runs plainly: kept"
         elif sid in input_of:
@@ -349,6 +366,24 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
         pre_existing_saved=pre_existing, peak=_peak(prof, pred, regions, ordered),
         plain_peak_bytes=prof.measured_peak_bytes, plan=plan,
     )  # fmt: skip
+
+
+def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
+    """Storage id -> why, for what the plan's offloaded units move to host memory."""
+    if plan is None or not any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
+        return {}
+    from gradckpt.planning.offload_sim import offload_effect
+
+    effect = offload_effect(prof, plan, plan.offload)
+    units = list(effect.units)
+    out = {}
+    for i, m in enumerate(units):
+        if m.held:
+            continue
+        back = units[i + 1].path if m.load != m.need else m.path
+        for sid in m.storages:
+            out[sid] = f"offloaded to host after {m.path}'s forward, back at {back}'s backward"
+    return out
 
 
 def _input_shape(prof: Profile, sid: int) -> tuple[int, ...] | None:

@@ -1,7 +1,7 @@
 """The registry of decision kinds: what each kind does in the planner and at run time.
 
 Every decision kind (:class:`~gradckpt.engine.decisions.Keep`, ``Recompute``,
-``Selective``; ``Offload`` with issue #12) has one :class:`KindHandler`,
+``Selective``, ``Offload``) has one :class:`KindHandler`,
 registered from the kind's own module in :mod:`gradckpt.planning.kinds`. The
 generic code asks the handler of a unit's decision instead of comparing kind
 names:
@@ -60,6 +60,9 @@ class KindHandler:
     #: True if a torch.compile'd body may stand in for the unit's forward (False when
     #: a per-op policy must see every op eagerly).
     compiled_body: ClassVar[bool] = True
+    #: False if the DP must never choose this kind inside a segment's recompute (where
+    #: the unit runs again during backward: offloading there would be pointless).
+    nested: ClassVar[bool] = True
 
     # ----------------------------------------------------------------- planner
 

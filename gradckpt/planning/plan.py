@@ -6,7 +6,12 @@ with a decision (a typed value from :mod:`gradckpt.engine.decisions`):
 * :class:`Keep` (``keep``): run plainly, autograd keeps what it needs;
 * :class:`Recompute` (``recompute``): a checkpointed region (keeps its inputs only);
 * :class:`Selective` (``selective``): a region that also keeps the outputs of
-  the ops at positions ``save`` (their names in ``save_ops``, checked when applied).
+  the ops at positions ``save`` (their names in ``save_ops``, checked when applied);
+* :class:`Offload` (``offload``): run plainly, but what autograd saves inside the
+  unit goes to host memory after its forward and comes back ahead of its
+  backward (:mod:`gradckpt.engine.offload`; the link and host budget in
+  ``Plan.offload``). Only at the top level: inside a segment's recompute it runs
+  as ``Keep``.
 
 A plan file writes each unit's decision as ``mode`` (the decision's kind name)
 plus the decision's own fields; what each kind does in the planner and at run
@@ -29,6 +34,7 @@ from typing import Any, Union
 from gradckpt._versioned import check_header
 from gradckpt.engine.decisions import KEEP, Decision, Selective, decision_from_json
 from gradckpt.planning.errors import PlanFormatError, check_plan_fields
+from gradckpt.planning.offload_cost import OffloadOptions
 
 __all__ = [
     "PLAN_VERSION",
@@ -166,6 +172,9 @@ class Plan:
     #: Which peak the predictions (and the budget) are held at: "allocator" (what the
     #: allocator holds, kernel workspaces included) or "tensors" (op-created storages).
     peak_level: str = "tensors"
+    #: The link and host budget the plan's ``offload`` units were planned for (None: no
+    #: offload was considered).
+    offload: OffloadOptions | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -206,6 +215,13 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        if fields.get("offload") is not None:
+            try:
+                fields["offload"] = OffloadOptions.from_json(fields["offload"])
+            except (TypeError, ValueError) as e:
+                raise PlanFormatError(
+                    f"{source + ': ' if source else ''}malformed gradckpt plan: offload: {e}"
+                ) from None
         if fields.get("measured_overhead_range") is not None:
             fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])
         return cls(**fields)

@@ -23,6 +23,7 @@ from gradckpt.planning.chain import ChainModel, build_chain
 from gradckpt.planning.costs import with_engine_costs
 from gradckpt.planning.dp import ChainDP
 from gradckpt.planning.explain import Explanation, explain
+from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Plan
 from gradckpt.planning.simulate import Prediction
 from gradckpt.planning.solvers import (
@@ -63,7 +64,9 @@ class Planner:
         'every_kth(k=2)'
     """
 
-    def __init__(self, profile: Profile, *, segments: bool = True) -> None:
+    def __init__(
+        self, profile: Profile, *, segments: bool = True, offload: OffloadOptions | None = None
+    ) -> None:
         if not isinstance(profile, Profile):
             raise TypeError(
                 "Planner takes a Profile made by gradckpt.profile(model, loss_fn), got "
@@ -71,6 +74,7 @@ class Planner:
             )
         self.profile = profile
         self.segments = segments
+        self.offload = offload  # the DP may also move blocks' saved tensors over this link
         self._least: tuple[Plan, Prediction] | None = None
 
     @cached_property
@@ -88,8 +92,14 @@ class Planner:
         """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
         return parse_budget(budget, self.profile.measured_peak_bytes)
 
-    def plan(self, budget: int | float | str, solver: str | Solver = "dp") -> Plan:
+    def plan(
+        self, budget: int | float | str, solver: str | Solver = "dp", *,
+        offload: OffloadOptions | None = None,
+    ) -> Plan:  # fmt: skip
         """The plan ``solver`` makes for ``budget``, predicted and checked against it.
+
+        ``offload``: instead of the planner's own link (``Planner(offload=...)``);
+        with a link the DP builds its own chain with the offload option.
 
         Raises:
             BudgetError: no plan of that solver fits (with the least peak reachable).
@@ -100,6 +110,9 @@ class Planner:
         """
         nbytes = self.budget_bytes(budget)
         check_plannable(self.profile)  # before the chain is built: the error in the user's terms
+        offload = offload if offload is not None else self.offload
+        if offload is not None:
+            return solve(self.profile, nbytes, solver, segments=self.segments, offload=offload)
         if solver == "dp":
             return solve(self.profile, nbytes, "dp", segments=self.segments,
                          model=self.chain, dp=self.dp)  # fmt: skip
@@ -139,6 +152,14 @@ class Planner:
                 continue
             done, pred = finish(prof, candidate, None, "dp")
             seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
+        if self.offload is not None:
+            from gradckpt.planning.offload_solve import offload_candidates
+
+            budgets = sorted({point.peak_bytes for point in seen.values()})
+            for candidate in offload_candidates(prof, self.offload, budgets):
+                if candidate.items not in seen:
+                    done, pred = finish(prof, candidate, None, "dp")
+                    seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
         pareto: list[FrontierPoint] = []
         for point in sorted(seen.values(), key=lambda p: (p.peak_bytes, p.overhead)):
             if not pareto or point.overhead < pareto[-1].overhead:

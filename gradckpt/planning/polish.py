@@ -84,7 +84,7 @@ def _moves(plan: Plan, model: ChainModel) -> list[tuple[float, int, Item, tuple[
 def _apply(plan: Plan, item: Item, new: tuple[Item, ...]) -> Plan | None:
     if not any(i is item for i in _walk(plan.items)):
         return None  # an earlier move replaced it
-    return Plan(_replace(plan.items, item, new), plan.fingerprint)
+    return Plan(_replace(plan.items, item, new), plan.fingerprint, offload=plan.offload)
 
 
 def _apply_all(plan: Plan, moves: list) -> Plan | None:

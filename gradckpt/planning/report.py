@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.handlers import handler_for
 
@@ -18,7 +19,7 @@ _LEVELS = {
 }
 
 
-def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
+def _lines(items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool]) -> list[str]:
     from gradckpt.planning.plan import Segment
 
     out = []
@@ -26,10 +27,37 @@ def _lines(items: tuple[Item, ...], depth: int) -> list[str]:
     for item in items:
         if isinstance(item, Segment):
             out.append(f"{pad}segment {item.paths[0]} .. {item.paths[-1]} (keeps its input)")
-            out.extend(_lines(item.items, depth + 1))
+            out.extend(_lines(item.items, depth + 1, offloaded))
+        elif isinstance(item.decision, Offload) and depth == 1:
+            out.append(f"{pad}{item.path:<28} offload    {_offload_when(item.path, *offloaded)}")
         else:
             out.append(f"{pad}{item.path:<28} {handler_for(item.decision).describe(item.decision)}")
     return out
+
+
+def _offload_when(path: str, offloaded: list[str], prefetch: bool) -> str:
+    """When an offloaded unit's saved tensors move (the engine's order, see engine.offload)."""
+    i = offloaded.index(path)
+    if i + 1 == len(offloaded):
+        return "saved tensors copied out after its forward; still held when backward reaches it"
+    after = offloaded[i + 1]
+    back = f"when {after}'s backward begins" if prefetch else "at its own backward"
+    return f"saved tensors out after its forward (freed when {after}'s ends), back {back}"
+
+
+def _offload_head(plan: Plan) -> list[str]:
+    from gradckpt.planning.offload_cost import OffloadOptions
+
+    units = [u for u in plan.items if isinstance(getattr(u, "decision", None), Offload)]
+    if not units:
+        return []
+    o = plan.offload or OffloadOptions()
+    host = "no host budget" if o.host_budget is None else f"host budget {format_bytes(o.host_budget)}"
+    return [
+        f"  offload: {len(units)} unit(s) to host memory over {o.d2h_bandwidth / 1e9:g} GB/s out, "
+        f"{o.h2d_bandwidth / 1e9:g} GB/s back (stated, not measured), {host}; "
+        "gradckpt.explain gives the bytes and stalls"
+    ]
 
 
 def plan_summary(plan: Plan) -> str:
@@ -50,4 +78,10 @@ def plan_summary(plan: Plan) -> str:
         f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
         for path, calls in plan.not_planned
     ]
-    return "\n".join(head + _lines(plan.items, 1) + shared)
+    prefetch = plan.offload.prefetch if plan.offload is not None else True
+    offloaded = (
+        [u.path for u in plan.items if isinstance(getattr(u, "decision", None), Offload)],
+        prefetch,
+    )
+    lines = _lines(plan.items, 1, offloaded)
+    return "\n".join(head + _offload_head(plan) + lines + shared)

@@ -13,6 +13,11 @@ would run the plan:
 * inside a segment's recompute, nested regions keep their inputs (and kept
   outputs) until their own recompute, which happens at their first unpack.
 
+Units the plan offloads (:mod:`gradckpt.planning.offload_sim`) run plainly, but
+their moved storages stop being held by their saved tensors once the stash
+drops them, and come back as reload buffers at the prefetch; the copies'
+stalls are added to the step time.
+
 Everything else (backward allocations, gradients, storages the plain step
 keeps) stays where the profile measured it.
 
@@ -35,9 +40,11 @@ from typing import NamedTuple
 
 import torch
 
+from gradckpt.engine.decisions import Offload
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.planning.costs import engine_seconds, plan_counts, step_costs
 from gradckpt.planning.handlers import handler_for
+from gradckpt.planning.offload_sim import OffloadEffect, offload_effect
 from gradckpt.planning.per_profile import per_profile
 from gradckpt.planning.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profiling.records import NEVER, Profile
@@ -63,6 +70,10 @@ class Prediction:
     peak_workspace_op: int = -1
     #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
     engine_time: float = 0.0
+    #: Seconds compute waits for offload copies (simulated link); in step_time.
+    offload_stall: float = 0.0
+    #: Bytes the plan's offloaded units hold in host memory at once (at the end of forward).
+    host_bytes: int = 0
 
 
 class Position(NamedTuple):
@@ -291,9 +302,17 @@ def region_state_bytes(profile: Profile) -> int:
 
 
 class _Simulator:
-    def __init__(self, profile: Profile, regions: list[Region]) -> None:
+    def __init__(
+        self, profile: Profile, regions: list[Region], offload: OffloadEffect | None = None
+    ) -> None:
         self.p = profile
         self.regions = regions
+        self.offload = offload
+        # Moved storages stay live until the offload stash drops them.
+        self.dropped_at = {
+            sid: m.drop for m in (offload.units if offload else ()) if not m.held
+            for sid in m.storages
+        }  # fmt: skip
         self.shared = _shared(profile)
         self.line = _Line(cuda=profile.device == "cuda", static=self.shared.static)
         self.rng_bytes = region_state_bytes(profile)
@@ -327,17 +346,25 @@ class _Simulator:
                     held_until[sid] = max(held_until.get(sid, 0), death)
         # Forward storages (those allocated in backward are in the shared events).
         # This loop and recompute's run once per simulated plan: written for speed.
+        # An offloaded unit's moved storages are not held by its saved tensors but
+        # until the offload stash drops them (they come back in add_offload).
         events, packs = self.line.events, p.packs
+        moved = self.offload.moved_packs if self.offload is not None else frozenset()
+        dropped = self.dropped_at
         for sid, nbytes, alloc, free, pids in self.shared.forward:
             for pid in pids:
-                if pid not in top_of_pack and packs[pid].release > free:
+                if pid not in top_of_pack and packs[pid].release > free and pid not in moved:
                     free = packs[pid].release
             held = held_until.get(sid, 0)
             if held > free:
                 free = held
+            if dropped and dropped.get(sid, 0) > free:
+                free = dropped[sid]
             events.append((alloc, -nbytes))
             if free < NEVER:
-                events.append(((free, 1, 0, 0.0), nbytes))  # _at(free), inlined
+                events.append(((free, 1, 0, 0.0), nbytes))
+        if self.offload is not None:
+            self.add_offload(self.offload)
         for region in self.regions:
             if self.rng_bytes:
                 opened = _at(p.ops[region.first_op].position - 1)
@@ -345,6 +372,19 @@ class _Simulator:
             start = self.first_unpack(region)
             if start < NEVER:
                 self.recompute(region, start, 0, {})
+
+    def add_offload(self, effect: OffloadEffect) -> None:
+        """Moved storages come back as reload buffers at the prefetch, live until released."""
+        p = self.p
+        released: dict[int, int] = {}  # storage -> last release of its moved saved tensors
+        for pid in effect.moved_packs:
+            pack = p.packs[pid]
+            released[pack.storage] = max(released.get(pack.storage, 0), pack.release)
+        for m in effect.units:
+            if m.held:
+                continue
+            for sid in m.storages:
+                self.line.add(p.storages[sid].nbytes, _at(m.load), _at(released[sid]))
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
         p = self.p
@@ -415,7 +455,8 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         >>> pred = simulate(prof, plan)
         >>> pred.peak_bytes, pred.overhead
     """
-    sim = _Simulator(profile, regions_of(profile, plan))
+    effect = _offload(profile, plan)
+    sim = _Simulator(profile, regions_of(profile, plan), effect)
     sim.run()
     positions, lives = sim.line.trace()
     peak = max(lives, default=0)
@@ -423,7 +464,8 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     workspace, op = sim.line.workspace_of.get(where, Workspace(0, -1))
     # The engine's own costs (issue #16): measured per event, counted per plan.
     engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
-    step_time = profile.step_time + sim.recompute_time + engine
+    stall = effect.stall if effect is not None else 0.0
+    step_time = profile.step_time + sim.recompute_time + engine + stall
     return Prediction(
         peak_bytes=profile.param_bytes + peak,
         step_time=step_time,
@@ -435,13 +477,21 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         peak_workspace_bytes=workspace,
         peak_workspace_op=op,
         engine_time=engine,
+        offload_stall=stall,
+        host_bytes=effect.host_bytes if effect is not None else 0,
     )
+
+
+def _offload(profile: Profile, plan: Plan) -> OffloadEffect | None:
+    if not any(isinstance(getattr(u, "decision", None), Offload) for u in plan.items):
+        return None
+    return offload_effect(profile, plan, plan.offload)
 
 
 def live_trace(profile: Profile, plan: Plan) -> tuple[list[int], list[int], float]:
     """Event positions (plain-step coordinates, recompute events just before their
     trigger) and live created bytes after each event, plus the recompute time."""
-    sim = _Simulator(profile, regions_of(profile, plan))
+    sim = _Simulator(profile, regions_of(profile, plan), _offload(profile, plan))
     sim.run()
     positions, lives = sim.line.trace()
     return [p[0] for p in positions], lives, sim.recompute_time  # each Position's step

@@ -20,6 +20,7 @@ from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.chain import _MATMUL_NAMES, ChainModel, build_chain
 from gradckpt.planning.costs import with_engine_costs
 from gradckpt.planning.dp import ChainDP, Tree, UnitStep
+from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.planning.polish import polish, repair
 from gradckpt.planning.simulate import Prediction, simulate
@@ -198,7 +199,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         capacity = model.chain.capacity
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
             m = min(max(m, least), capacity)
-            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
             if plan.items in tried:
                 continue
             tried.add(plan.items)
@@ -358,6 +359,7 @@ def solve(
     segments: bool = True,
     model: ChainModel | None = None,
     dp: ChainDP | None = None,
+    offload: OffloadOptions | None = None,
 ) -> Plan:
     """Run a solver by name (see ``SOLVERS``) or a solver callable.
 
@@ -367,6 +369,8 @@ def solve(
     ``segments=False`` forbids multi-unit regions: the DP does not make them,
     and a baseline that does (``sqrt``) is refused. ``model`` and ``dp``: the
     DP's chain and tables already built (:class:`gradckpt.planning.planner.Planner`).
+    ``offload``: the DP may also offload blocks over that link
+    (:mod:`gradckpt.planning.offload_solve`).
 
     Example:
         >>> solve(prof, 600 << 20, "sqrt").solver
@@ -384,6 +388,10 @@ def solve(
         chosen = finish(profile, chosen, budget, name)[0]  # whatever it claimed is replaced
     elif solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    elif solver == "dp" and offload is not None:
+        from gradckpt.planning.offload_solve import solve_offload  # it builds on solve_dp
+
+        chosen = solve_offload(profile, budget, offload, segments=segments)
     elif solver == "dp":
         chosen = solve_dp(profile, budget, model=model, dp=dp, segments=segments)
     else:

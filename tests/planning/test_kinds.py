@@ -1,7 +1,7 @@
 """The decision-kind registry: built-in kinds, old plan files, and a new kind in one module.
 
-``SaveEverything`` below is a toy kind written the way a real one is (issue
-#12's Offload is next): a Decision dataclass, one handler registered for it,
+``SaveEverything`` below is a toy kind written the way a real one is (as issue
+#12's Offload is): a Decision dataclass, one handler registered for it,
 nothing else. The tests then run it through every layer that dispatches on
 kinds: the DP chain, the simulator, the summary, plan files and apply.
 """
@@ -76,7 +76,7 @@ def toy_kind():
 
 def test_builtin_kinds_are_registered_in_option_order():
     kinds = [h.decision for h in handlers()]
-    assert kinds[:3] == [gradckpt.Keep, gradckpt.Recompute, gradckpt.Selective]
+    assert kinds[:4] == [gradckpt.Keep, gradckpt.Recompute, gradckpt.Offload, gradckpt.Selective]
     assert not handler_for(gradckpt.Keep()).opens_region
     assert handler_for(gradckpt.Recompute()).opens_region
     assert not handler_for(gradckpt.Selective()).compiled_body
@@ -103,19 +103,19 @@ def test_plan_files_in_the_old_format_still_load():
     assert plan.to_json()["items"] == old["items"]  # and written back the same way
 
 
-def test_offload_is_refused_by_name_until_its_issue_lands(zoo):
-    ex, prof, _ = zoo.get("mlp")
+def test_offload_named_in_a_plan_file_runs(zoo):
+    ex, prof, plain = zoo.get("mlp")
     block = ex.block_paths[0]
     data = Plan((UnitChoice(block, "recompute"),), prof.fingerprint).to_json()
     data["items"][0]["mode"] = "offload"
-    plan = Plan.from_json(data)  # a plan file may name it ...
+    plan = Plan.from_json(data)  # a plan file may name it, and it runs (issue #12)
     assert plan.units[0].decision == gradckpt.Offload()
-    with pytest.raises(NotImplementedError, match="#12"):  # ... but nothing runs it yet
-        simulate(prof, plan)
-    with pytest.raises(NotImplementedError, match="#12"):
-        gradckpt.apply(ex.model, plan)
-    assert gradckpt.applied_plan(ex.model) is None
-    assert "forward" not in ex.model.get_submodule(block).__dict__  # left untouched
+    assert simulate(prof, plan).host_bytes >= 0
+    gradckpt.apply(ex.model, plan)
+    try:
+        assert_same_step(plain, run_step(ex))
+    finally:
+        gradckpt.remove(ex.model)
 
 
 # --------------------------------------------------------- a new kind, end to end

@@ -10,6 +10,12 @@ Adding a kind: its Decision dataclass (registered with
 one module here with its handler, one import line below, and its tests.
 """
 
-from gradckpt.planning.kinds import keep, recompute, selective  # noqa: F401 - they register
+# In this order (they register as imported): offload before selective, so that a
+# block's offload option is its third (index 2) on every block and the chain's
+# calibration runs one all-offload plan.
+from gradckpt.planning.kinds import keep  # noqa: F401, I001
+from gradckpt.planning.kinds import recompute  # noqa: F401
+from gradckpt.planning.kinds import offload  # noqa: F401
+from gradckpt.planning.kinds import selective  # noqa: F401
 
 __all__: list[str] = []

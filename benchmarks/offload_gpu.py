@@ -1,0 +1,200 @@
+"""Offload contenders for ``benchmarks/gpu_check.py``: side by side on one GPU.
+
+NOT RUN YET: written on a CPU-only machine; ``gpu_check.py --cpu-dry-run`` runs
+this code on CPU at tiny sizes (host-copy backend, no streams, numbers
+meaningless for time).
+
+On the zoo GPT, after measuring the link (pinned copies of 256 MiB each way):
+
+* ``plain``: no checkpointing;
+* ``full_ckpt``: ``torch.utils.checkpoint`` on every block;
+* ``offload_all+full_ckpt``: the same, inside ``torch.autograd.graph.save_on_cpu``
+  (pinned): every tensor saved outside the regions goes to the host, the stand-in
+  for torchtune's ``OffloadActivations`` + AC (torchtune is not installed here);
+* ``gradckpt``: the DP plan (no offload) at the budget ``full_ckpt`` measured;
+* ``gradckpt_offload``: keep / recompute / offload chosen jointly at that budget,
+  over the link as measured.
+
+Each: the allocator's peak of one step, the median step time of interleaved
+rounds, and whether the gradients match the plain step's (bit-equal, or the
+largest difference when not).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import gradckpt
+from benchmarks.common import (
+    make_step,
+    per_block,
+    plain,
+    torch_checkpoint,
+    with_plan,
+    wrap_blocks,
+)
+from gradckpt.measure import AllocatorTracker, state_bytes
+from gradckpt.testing import Example, make
+
+GPU_SIZES = dict(layers=12, d_model=1024, heads=16, seq=1024, vocab=8192, batch=8, dropout=0.1)
+DRY_SIZES = dict(layers=3, d_model=32, heads=2, seq=32, vocab=128, batch=2, dropout=0.1)
+
+
+def measure_link(device: str, nbytes: int = 256 << 20, rounds: int = 5) -> tuple[float, float]:
+    """(device->host, host->device) bytes per second with pinned buffers (median of ``rounds``)."""
+    if device != "cuda":
+        return 25e9, 25e9  # a dry run: nothing to measure, the PCIe-class default
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for copy in (lambda: host.copy_(src, non_blocking=True),
+                 lambda: src.copy_(host, non_blocking=True)):  # fmt: skip
+        times = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out.append(nbytes / statistics.median(times))
+    return out[0], out[1]
+
+
+def _offload_all(install: Callable[[Example], Callable[[], None]], pin: bool):
+    """``install``, with the model's whole forward run inside ``save_on_cpu``."""
+
+    def on_cpu(forward: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return forward(*args, **kwargs)
+
+        return run
+
+    def installer(ex: Example) -> Callable[[], None]:
+        undo = install(ex)
+        undo_root = wrap_blocks(ex.model, [""], on_cpu)
+
+        def restore() -> None:
+            undo_root()
+            undo()
+
+        return restore
+
+    return installer
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _run(ex: Example, install, device: str) -> tuple[int, dict[str, torch.Tensor]]:
+    undo = install(ex)
+    try:
+        step = make_step(ex)
+        step()  # warm-up
+        _sync(device)
+        with AllocatorTracker(device) as tracker:
+            step()
+            _sync(device)
+        grads = {k: p.grad.clone() for k, p in ex.model.named_parameters() if p.grad is not None}
+    finally:
+        undo()
+    return state_bytes(ex.model) + tracker.peak_bytes, grads
+
+
+def _time(ex: Example, installs: dict[str, Any], device: str, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in installs}
+    for _ in range(rounds):
+        for name, install in installs.items():
+            undo = install(ex)
+            try:
+                step = make_step(ex)
+                _sync(device)
+                start = time.perf_counter()
+                step()
+                _sync(device)
+                times[name].append(time.perf_counter() - start)
+            finally:
+                undo()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _grad_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    return max((float((a[k].float() - b[k].float()).abs().max()) for k in a), default=0.0)
+
+
+def run_offload_contenders(dry: bool, device: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Measure the contenders (see the module docstring); a dict for the report and JSON."""
+    ex = make("gpt", **(DRY_SIZES if dry else GPU_SIZES), device=device)
+    d2h, h2d = measure_link(device)
+    log(f"  link: {d2h / 1e9:.1f} GB/s out, {h2d / 1e9:.1f} GB/s back")
+    installs: dict[str, Any] = {
+        "plain": plain(),
+        "full_ckpt": per_block(torch_checkpoint),
+        "offload_all+full_ckpt": _offload_all(per_block(torch_checkpoint), pin=device == "cuda"),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for name, install in installs.items():
+        peak, grads = _run(ex, install, device)
+        rows[name] = {"peak_bytes": peak, "grads": grads}
+    budget = rows["full_ckpt"]["peak_bytes"]
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2)
+    options = gradckpt.OffloadOptions(d2h_bandwidth=d2h, h2d_bandwidth=h2d)
+    notes = []
+    try:
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    except gradckpt.BudgetError as e:
+        # torch's checkpoint can reach below gradckpt's least peak (its frames keep
+        # less): compare at gradckpt's least instead, and say so.
+        notes.append(f"full_ckpt's peak {budget} B is below gradckpt's least feasible peak "
+                     f"({e.least_peak_bytes} B): gradckpt planned at its least instead")  # fmt: skip
+        budget = e.least_peak_bytes or budget
+    for name, offload in (("gradckpt", False), ("gradckpt_offload", options)):
+        try:
+            plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=offload)
+        except gradckpt.BudgetError as e:
+            notes.append(f"{name}: no plan at {budget} B: {str(e)[:200]}")
+            continue
+        installs[name] = with_plan(plan)
+        peak, grads = _run(ex, installs[name], device)
+        rows[name] = {"peak_bytes": peak, "grads": grads, "predicted_peak_bytes":
+                      plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead,
+                      "offloaded": [u.path for u in plan.units if u.mode == "offload"]}  # fmt: skip
+    medians = _time(ex, installs, device, rounds=2 if dry else 5)
+    base = rows["plain"]["grads"]
+    for name, row in rows.items():
+        row["median_step_s"] = medians.get(name)
+        row["time_ratio"] = medians[name] / medians["plain"] if name in medians else None
+        row["max_grad_diff"] = _grad_gap(base, row.pop("grads"))
+    return {"budget_bytes": budget, "d2h_bandwidth": d2h, "h2d_bandwidth": h2d,
+            "rows": rows, "notes": notes, "dry_run": dry}  # fmt: skip
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """The Markdown section for gpu_check's report."""
+    mib = lambda n: "-" if n is None else f"{n / 2**20:.1f}"  # noqa: E731
+    lines = [
+        "", "## Offload contenders (zoo GPT)", "",
+        f"Link measured: {result['d2h_bandwidth'] / 1e9:.1f} GB/s out, "
+        f"{result['h2d_bandwidth'] / 1e9:.1f} GB/s back"
+        + (" (dry run: not measured, CPU, times meaningless)" if result["dry_run"] else "")
+        + f"; gradckpt planned at {mib(result['budget_bytes'])} MiB (full_ckpt's measured peak, "
+        "unless a note says otherwise).",
+        "", "| contender | peak (MiB) | predicted (MiB) | time / plain | max grad diff | offloaded |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for name, r in result["rows"].items():
+        ratio = "-" if r.get("time_ratio") is None else f"{r['time_ratio']:.3f}"
+        lines.append(f"| {name} | {mib(r['peak_bytes'])} | {mib(r.get('predicted_peak_bytes'))} "
+                     f"| {ratio} | {r['max_grad_diff']:.2e} | "
+                     f"{len(r.get('offloaded', [])) or '-'} |")  # fmt: skip
+    lines += [f"- {n}" for n in result["notes"]]
+    return lines

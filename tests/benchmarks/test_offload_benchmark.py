@@ -1,0 +1,43 @@
+"""``benchmarks/offload.py`` (quick) and the GPU check's offload contenders in a CPU dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.offload_gpu import report_lines, run_offload_contenders
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_offload_quick_writes_a_report_that_says_timing_is_simulated(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offload", "--quick", "--threads", "1",
+         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (md,) = tmp_path.glob("offload-cpu-*.md")
+    text = md.read_text()
+    assert "**Timing is simulated on CPU.**" in text
+    data = json.loads(md.with_suffix(".json").read_text())
+    gpt = data["models"]["gpt"]
+    assert set(gpt["curves"]) == {"cpu", "accelerator"}
+    for curves in gpt["curves"].values():
+        for link in ("25 GB/s", "400 GB/s"):
+            assert curves[link]["at_or_below_everywhere"]
+    for row in gpt["measured"]:
+        assert row["gradients_bit_equal"]
+        assert row["measured_host_bytes"] == row["predicted_host_bytes"]
+
+
+def test_offload_contenders_dry_run_on_cpu():
+    result = run_offload_contenders(dry=True, device="cpu", log=lambda s: None)
+    rows = result["rows"]
+    assert {"plain", "full_ckpt", "offload_all+full_ckpt"} <= set(rows)
+    for name, row in rows.items():
+        assert row["max_grad_diff"] == 0.0, name  # same seed, dropout on: bit-equal
+        assert row["peak_bytes"] > 0
+    assert rows["full_ckpt"]["peak_bytes"] < rows["plain"]["peak_bytes"]
+    assert "| contender | peak (MiB)" in "\n".join(report_lines(result))
