@@ -3,17 +3,26 @@
 For residual-MLP and GPT models of 24 to 400 blocks (profiled under fake
 tensors: only planning is timed), it times the three stages of ``solve_dp``:
 
-* **chain**: :func:`gradckpt.plan.chain.build_chain` (calibration simulations);
+* **chain**: :func:`gradckpt.plan.chain.build_chain` (calibration simulations)
+  and the engine's costs added to its options, as ``solve_dp`` does;
 * **dp**: :class:`gradckpt.plan.dp.ChainDP` (tables for every budget);
 * **finish**: ``solve_dp`` at one budget given the chain and tables (the DP's
   plans checked on the simulator, polish, predictions).
 
 Each is reported as wall-clock seconds and as CPU seconds of this process
 (``time.process_time``), the latter being the better guide on a shared machine.
+The three together are what ``gradckpt.plan(..., profile=prof)`` spends.
+
+With ``--llama70b`` it also plans the Llama-70B shape end to end (80 layers,
+hidden 8192, bf16 weights on the meta device, batch 4 x 4096 tokens): import
+of transformers and building the model, profiling under fake tensors, and
+``gradckpt.plan`` at the same budget rule, each timed.
 
     python -m benchmarks.planning_speed               # 24 48 96 200 400 blocks
     python -m benchmarks.planning_speed --quick       # a smoke test
     python -m benchmarks.planning_speed --profiles /tmp/profiles   # reuse profiles
+    python -m benchmarks.planning_speed --llama70b                  # and Llama-70B
+    python -m benchmarks.planning_speed --models none --llama70b    # Llama-70B only
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from benchmarks.common import (
     write_results,
 )
 from gradckpt.plan.chain import build_chain
+from gradckpt.plan.costs import with_engine_costs
 from gradckpt.plan.dp import ChainDP
 from gradckpt.plan.solvers import solve_dp
 from gradckpt.profile.records import Profile
@@ -50,6 +60,11 @@ SIZES = {
 }
 #: The compass targets (total seconds from a ready profile), by blocks.
 TARGETS = {96: 1.0, 400: 10.0}
+LLAMA70B_TARGET = 120.0  # seconds, end to end
+# Llama-3-70B's shape. Batch 4 x 4096 tokens: at batch 1 the step peaks at the end of
+# the backward (weights plus their gradients, 2 x 131 GiB in bf16), where no plan helps.
+LLAMA70B = {"layers": 80, "hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8,
+            "vocab": 128256, "seq": 4096, "batch": 4, "dtype": "bfloat16"}  # fmt: skip
 BUDGET_SHARE = 0.5  # budget = parameters + this share of the rest of the plain peak
 
 
@@ -78,7 +93,8 @@ def measure(kind: str, blocks: int, cache: Path | None) -> dict[str, Any]:
     prof = _profile(kind, blocks, cache)
     profiled = time.perf_counter() - start
     budget = int(prof.param_bytes + BUDGET_SHARE * (prof.measured_peak_bytes - prof.param_bytes))
-    model, chain_wall, chain_cpu = _timed(lambda: build_chain(prof))
+    # As solve_dp builds it: the engine's costs are part of each option's time.
+    model, chain_wall, chain_cpu = _timed(lambda: with_engine_costs(build_chain(prof), prof))
     dp, dp_wall, dp_cpu = _timed(lambda: ChainDP(model.chain))
     plan, fin_wall, fin_cpu = _timed(lambda: solve_dp(prof, budget, model=model, dp=dp))
     row = {
@@ -100,7 +116,81 @@ def measure(kind: str, blocks: int, cache: Path | None) -> dict[str, Any]:
     return row
 
 
-def render(rows: list[dict[str, Any]], info: dict[str, Any], out: Path) -> str:
+def measure_llama70b() -> dict[str, Any]:
+    """Build the Llama-70B shape on the meta device, profile it under fake tensors, plan it."""
+    import torch
+
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+
+    def build() -> tuple[Any, Any]:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        shape = LLAMA70B
+        config = LlamaConfig(
+            hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+            num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+            num_key_value_heads=shape["kv_heads"], vocab_size=shape["vocab"],
+            max_position_embeddings=8192, use_cache=False,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).to(getattr(torch, shape["dtype"]))
+
+        def loss_fn() -> Any:
+            ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]))
+            return model(input_ids=ids, labels=ids).loss
+
+        return model, loss_fn
+
+    (model, loss_fn), build_wall, build_cpu = _timed(build)
+    prof, prof_wall, prof_cpu = _timed(lambda: gradckpt.profile(model, loss_fn, fake=True))
+    print(f"llama-70b: built in {build_wall:.1f} s, profiled in {prof_wall:.1f} s", flush=True)
+    budget = int(prof.param_bytes + BUDGET_SHARE * (prof.measured_peak_bytes - prof.param_bytes))
+    plan, plan_wall, plan_cpu = _timed(lambda: gradckpt.plan(model, loss_fn, budget, profile=prof))
+    row = {
+        **LLAMA70B,
+        "blocks": len(prof.blocks),
+        "param_bytes": prof.param_bytes,
+        "plain_peak_bytes": prof.measured_peak_bytes,
+        "budget_bytes": budget,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_overhead": plan.predicted_step_time / prof.step_time - 1.0,
+        "wall": {"build": build_wall, "profile": prof_wall, "plan": plan_wall},
+        "cpu": {"build": build_cpu, "profile": prof_cpu, "plan": plan_cpu},
+        "total_wall": time.perf_counter() - start_wall,
+        "total_cpu": time.process_time() - start_cpu,
+    }
+    print(f"llama-70b {row['blocks']} layers: build {build_wall:.1f} s, profile {prof_wall:.1f} s, "
+          f"plan {plan_wall:.1f} s, total {row['total_wall']:.1f} s wall "
+          f"({row['total_cpu']:.1f} s CPU); overhead {row['predicted_overhead']:+.1%}",
+          flush=True)  # fmt: skip
+    return row
+
+
+def _llama_section(row: dict[str, Any]) -> str:
+    gib = 2**30
+    table = markdown_table(
+        ["stage", "wall (s)", "CPU (s)"],
+        [[k, f"{row['wall'][k]:.1f}", f"{row['cpu'][k]:.1f}"] for k in row["wall"]]
+        + [["total", f"{row['total_wall']:.1f}", f"{row['total_cpu']:.1f}"]],
+    )
+    met = row["total_wall"] <= LLAMA70B_TARGET
+    return "\n\n".join([
+        "## Llama-70B shape, end to end",
+        f"{row['layers']} layers, hidden {row['hidden']}, {row['dtype']} weights on the meta "
+        f"device, batch {row['batch']} x {row['seq']} tokens: weights "
+        f"{row['param_bytes'] / gib:.1f} GiB, plain peak {row['plain_peak_bytes'] / gib:.1f} GiB, "
+        f"budget {row['budget_bytes'] / gib:.1f} GiB, planned peak "
+        f"{row['predicted_peak_bytes'] / gib:.1f} GiB, predicted overhead "
+        f"{row['predicted_overhead']:+.1%}. Import and build, fake-tensor profile and "
+        f"`gradckpt.plan` are each timed; wanted: under {LLAMA70B_TARGET:.0f} s in all, "
+        f"{verdict(met)} ({row['total_wall']:.1f} s wall).",
+        table,
+    ])  # fmt: skip
+
+
+def render(
+    rows: list[dict[str, Any]], info: dict[str, Any], out: Path, llama: dict[str, Any] | None = None
+) -> str:
     def secs(row: dict, clock: str, key: str | None = None) -> str:
         values = row[clock]
         return f"{(values[key] if key else sum(values.values())):.2f}"
@@ -143,7 +233,7 @@ def render(rows: list[dict[str, Any]], info: dict[str, Any], out: Path) -> str:
         f"# Planning speed from a ready profile, CPU ({info['date']})",
         __doc__.split("\n\n")[1].strip() + "\n\n" + __doc__.split("\n\n")[2].strip(),
         load_note(info),
-        table,
+        table if rows else "",
     ]
     if targets:
         parts += [
@@ -152,9 +242,14 @@ def render(rows: list[dict[str, Any]], info: dict[str, Any], out: Path) -> str:
                 ["case", "wanted", "measured", "verdict (CPU)", "verdict (wall)"], targets
             ),
         ]
+    if llama is not None:
+        parts.append(_llama_section(llama))
     parts += ["## Setup", info_block(info)]
     markdown = "\n\n".join(p for p in parts if p)
-    write_results(out, "planning-speed", markdown, {"info": info, "rows": rows}, info["date"])
+    data: dict[str, Any] = {"info": info, "rows": rows}
+    if llama is not None:
+        data["llama70b"] = llama
+    write_results(out, "planning-speed", markdown, data, info["date"])
     return markdown
 
 
@@ -163,24 +258,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--blocks", default=None, help="comma-separated depths (default 24,48,96,200,400)"
     )
-    p.add_argument("--models", default="mlp,gpt", help="mlp, gpt or both (default: %(default)s)")
+    p.add_argument("--models", default="mlp,gpt",
+                   help="mlp, gpt, both, or none (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--llama70b",
+        action="store_true",
+        help="also plan the 80-layer Llama-70B shape end to end (needs transformers)",
+    )
     p.add_argument("--profiles", type=Path, default=None,
                    help="directory to keep fake-tensor profiles in and reuse them from")  # fmt: skip
     args = p.parse_args(argv)
     settle(args)
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
-        print(render(saved["rows"], saved["info"], args.out))
+        print(render(saved["rows"], saved["info"], args.out, saved.get("llama70b")))
         return 0
     blocks = BLOCKS_QUICK if args.quick else BLOCKS_FULL
     if args.blocks:
         blocks = tuple(int(b) for b in args.blocks.split(","))
-    kinds = [k.strip() for k in args.models.split(",") if k.strip()]
+    kinds = [k.strip() for k in args.models.split(",") if k.strip() not in ("", "none")]
     unknown = [k for k in kinds if k not in SIZES]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(SIZES)}")
     load_before = load_average()
     rows = [measure(kind, n, args.profiles) for kind in kinds for n in blocks]
+    llama = measure_llama70b() if args.llama70b else None
     info = machine_info(
         sizes={k: SIZES[k] for k in kinds},
         budget="parameters + 50% of the rest of the plain peak",
@@ -188,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
     )
-    print(render(rows, info, args.out))
+    print(render(rows, info, args.out, llama))
     return 0
 
 

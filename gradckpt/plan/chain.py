@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from gradckpt.plan.dp import Chain, Option, Stage
 from gradckpt.plan.plan import Plan, UnitChoice
-from gradckpt.plan.simulate import live_trace
+from gradckpt.plan.simulate import live_trace, region_state_bytes
 from gradckpt.policies import MATMUL_OPS
 from gradckpt.profile.records import NEVER, PackRecord, Profile, UnitRecord
 
@@ -116,8 +116,14 @@ def candidate_sets(
 
 
 def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _Lookup) -> int:
-    """Bytes the unit holds from its forward to its backward, besides its input and output."""
+    """Bytes the unit holds from its forward to its backward, besides its input and output.
+
+    A region also keeps its RNG state until its backward: counted here, as held by
+    the stage, and not in the requirements of the stages after it, which would then
+    differ block by block and no two blocks could share the DP's tables.
+    """
     inside = range(unit.first_op, unit.end_op)
+    state = region_state_bytes(profile) if option.mode != "keep" else 0
     if option.mode == "keep":
         sids = {
             p.storage for p in look.packs.get(unit.index, ())
@@ -128,7 +134,7 @@ def _kept_bytes(profile: Profile, unit: UnitRecord, option: StageOption, look: _
     else:
         sids = set()
     sids.discard(unit.output)
-    return sum(profile.storages[s].nbytes for s in sids)
+    return state + sum(profile.storages[s].nbytes for s in sids)
 
 
 def _own_forward_peak(

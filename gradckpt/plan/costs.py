@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.plan.per_profile import per_profile
 from gradckpt.profile.records import Profile, UnitRecord
 
 if TYPE_CHECKING:  # both import the simulator, which imports this module
@@ -69,6 +70,7 @@ class EngineCounts:
         )
 
 
+@per_profile
 def untimed_per_op(profile: Profile) -> float:
     """Seconds of the plain step outside its timed kernels, per op (Python, autograd).
 
@@ -136,8 +138,17 @@ def _policy_ops(region: Region) -> int:
     return region.end_op - region.first_op if region.save else 0
 
 
+@per_profile
+def _packs_by_unit(profile: Profile) -> dict[int, list[int]]:
+    """Each unit's packs' ``ops_done``: one pass, not one per unit (deep models)."""
+    done: dict[int, list[int]] = {}
+    for p in profile.packs:
+        done.setdefault(p.unit, []).append(p.ops_done)
+    return done
+
+
 def _stop(profile: Profile, unit: UnitRecord) -> int:
-    done = [p.ops_done for p in profile.packs if p.unit == unit.index]
+    done = _packs_by_unit(profile).get(unit.index, ())
     return min(max(done, default=unit.first_op), unit.end_op)
 
 
@@ -149,7 +160,7 @@ def unit_counts(profile: Profile, unit: UnitRecord, mode: str) -> EngineCounts:
     """
     if mode == "keep":
         return EngineCounts()
-    packs = sum(1 for p in profile.packs if p.unit == unit.index)
+    packs = len(_packs_by_unit(profile).get(unit.index, ()))
     return EngineCounts(
         regions=1,
         recompute_ops=_stop(profile, unit) - unit.first_op,

@@ -100,6 +100,8 @@ class CellTables:
         """Give every reachable nested cell the id of its distinct stage sequence."""
         stages, n = self.stages, self.n
         full: dict[Stage, int] = {}
+        # Each stage hashed once: a stage's hash walks all its options.
+        stage_id = [full.setdefault(st, len(full)) for st in stages]
         head: dict[Stage, int] = {}
         keys: dict[tuple, int] = {}
         self._uid = torch.full((n, n), -1, dtype=torch.int64)
@@ -118,7 +120,7 @@ class CellTables:
                 # Nested cells lie inside a run of stages that may share a segment.
                 if b >= n - 1 or not stages[b].joins_previous:
                     break
-                key = (keys[key], full.setdefault(stages[b], len(full)))
+                key = (keys[key], stage_id[b])
         self.cells = len(keys)
         self._representatives = [cell for length in sorted(by_length) for cell in by_length[length]]
 
@@ -136,9 +138,7 @@ class CellTables:
     def _read(self, table: torch.Tensor, rows: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
         """Row r of the result at m is table[rows[r]] at m - shifts[r]: one gather of the
         flat padded table (inf below m = 0, the last entry past the grid)."""
-        width = table.shape[1]
-        base = rows * width + self._left - shifts
-        return table.view(-1).take(base[:, None] + self._steps[None, :])
+        return self._take(table, rows, shifts, self._steps)
 
     def _cell(self, ctx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Best time and choice code at every m for stages a..b in context ``ctx``."""
@@ -200,14 +200,18 @@ class CellTables:
         which = torch.zeros(size, dtype=torch.int64)
         for lo in range(0, len(extra), _CHUNK):
             hi = lo + _CHUNK
-            c0, c1 = int(need[lo:hi].min()), int(stop[lo:hi].max())
+            # A calibrated requirement may be below zero (the model holds more than the
+            # step did): such a row fits from m = 0.
+            c0, c1 = max(0, int(need[lo:hi].min())), int(stop[lo:hi].max())
+            uniform = int(need[lo:hi].max()) <= c0  # then no column below a row's need
             if c1 <= c0:
                 continue
             steps = self._steps[c0:c1]
             cand = self._take(rest[0], rest[1][lo:hi], rest[2][lo:hi], steps)
             cand += self._take(inner[0], inner[1][lo:hi], inner[2][lo:hi], steps)
             cand += extra[lo:hi, None]
-            cand.masked_fill_(steps[None, :] < need[lo:hi, None], math.inf)
+            if not uniform:
+                cand.masked_fill_(steps[None, :] < need[lo:hi, None], math.inf)
             chunk_best, chunk_which = cand.min(0)
             better = chunk_best < best[c0:c1]  # earlier rows win ties
             best[c0:c1] = torch.where(better, chunk_best, best[c0:c1])
@@ -215,8 +219,11 @@ class CellTables:
         return best, which
 
     def _take(self, table, rows, shifts, steps) -> torch.Tensor:
-        base = rows * table.shape[1] + self._left - shifts
-        return table.view(-1).take(base[:, None] + steps[None, :])
+        """Row r of the result is table[rows[r]] at ``steps`` - shifts[r]: the flat padded
+        table's windows of len(steps) are a view, so this is one gather of whole windows
+        (no index per element)."""
+        start = rows * table.shape[1] + (self._left + int(steps[0])) - shifts
+        return table.view(-1).unfold(0, len(steps), 1)[start]
 
     def _row(self, ctx: int, a: int, b: int) -> int:
         return a if ctx == TOP else int(self._uid[a, b])

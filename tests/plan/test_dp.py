@@ -173,6 +173,21 @@ def test_long_chains_with_segments_equal_the_reference():
     assert segments > 0  # the segment rows were exercised, not only the stage-alone ones
 
 
+def test_requirements_below_zero_fit_from_the_first_budget():
+    # A calibrated requirement can be negative (the model holds more than the step
+    # did there); such segments fit from m = 0 and the fast DP must agree with the
+    # reference at every budget, in chunks of segment rows too.
+    stages = [replace(_stage(i > 0, none=-3 - i % 2), input=0 if i == 0 else 2) for i in range(40)]
+    chain = Chain(tuple(stages), capacity=50)
+    fast, reference = ChainDP(chain), ReferenceDP(chain)
+    assert fast.least_feasible() == reference.least_feasible()
+    for m in range(chain.capacity + 1):
+        want = reference.best_time(m)
+        assert fast.best_time(m) == want or math.isclose(fast.best_time(m), want)
+        if math.isfinite(want):
+            assert fast.schedule(m) == reference.schedule(m)
+
+
 def _stage(joins: bool, none: int = 1) -> Stage:
     option = Option("keep", kept=5, fwd=2, fwd_nested=2, bwd=6, time=1.0)
     ckpt = Option("recompute", kept=0, fwd=2, fwd_nested=2, bwd=8, time=1.5)
