@@ -45,14 +45,10 @@ from benchmarks.common import (
     with_plan,
     write_results,
 )
-from gradckpt.plan.chain import build_chain
-from gradckpt.plan.dp import ChainDP
-from gradckpt.plan.solvers import (
+from gradckpt.planning.solvers import (
     every_kth_plan,
     finish,
-    least_peak_plan,
     save_matmuls_plan,
-    solve,
     sqrt_plan,
 )
 from gradckpt.testing import Example, make, resnet_conv
@@ -101,14 +97,14 @@ def _plans(prof: gradckpt.Profile) -> list[tuple[str, gradckpt.Plan, int | None]
             plans.append((label, finish(prof, make_plan(), None, label)[0], None))
         except ValueError:
             continue  # e.g. no blocks to checkpoint
-    chain = build_chain(prof)
-    least, least_pred = least_peak_plan(prof, chain, ChainDP(chain.chain))
+    planner = gradckpt.Planner(prof)  # chain and DP built once for every budget below
+    least, least_pred = planner.least_peak()
     top = prof.measured_peak_bytes
     plans.append(("dp@least", least, least_pred.peak_bytes))
     for share in (0.25, 0.5, 0.75):
         budget = least_pred.peak_bytes + round(share * (top - least_pred.peak_bytes))
         try:
-            plan = solve(prof, budget)
+            plan = planner.plan(budget)
         except gradckpt.BudgetError:
             continue
         plans.append((f"dp@{share:.0%}", plan, budget))

@@ -8,7 +8,7 @@ every-block peak to the plain peak, and the plain peak. Then, side by side in
 one process, each contender's peak is measured (one untimed step each) and all
 contenders are timed interleaved:
 
-* ``gradckpt``: ``gradckpt.plan(model, loss_fn, budget, solver="dp", profile=prof)`` per budget;
+* ``gradckpt``: ``gradckpt.Planner(prof).plan(budget)`` per budget (one planner per model);
 * the solvers' baselines, applied with ``gradckpt.apply``: ``none``, ``every_block``,
   ``every_kth`` (per budget the largest k whose *measured* peak fits), ``sqrt``,
   ``save_matmuls``;
@@ -64,13 +64,10 @@ from benchmarks.common import (
     with_plan,
     write_results,
 )
-from gradckpt.plan.chain import build_chain
-from gradckpt.plan.dp import ChainDP
-from gradckpt.plan.plan import Plan, Segment, iter_units
-from gradckpt.plan.solvers import (
+from gradckpt.planning.plan import Plan, Segment, iter_units
+from gradckpt.planning.solvers import (
     every_kth_plan,
     finish,
-    least_peak_plan,
     none_plan,
     save_matmuls_plan,
     sqrt_plan,
@@ -114,10 +111,9 @@ def _describe(plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def _budgets(prof: gradckpt.Profile) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    chain = build_chain(prof)
-    dp = ChainDP(chain.chain)
-    _, least = least_peak_plan(prof, chain, dp)
+def _budgets(planner: gradckpt.Planner) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    prof = planner.profile
+    _, least = planner.least_peak()
     _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
     top, eb = prof.measured_peak_bytes, every.peak_bytes
     budgets = [
@@ -143,7 +139,8 @@ def run_model(name: str, sizes: dict, args: Any, log: Callable[[str], None] = pr
     prof = gradckpt.profile(scratch.model, scratch.loss_fn, repeats=args.profile_repeats)
     profile_s = time.perf_counter() - t0
     blocks = [u.path for u in prof.blocks]
-    budgets, predicted = _budgets(prof)
+    planner = gradckpt.Planner(prof)  # chain and DP built once for every budget below
+    budgets, predicted = _budgets(planner)
     log(f"  profiled in {profile_s:.1f} s; plain peak {mib(prof.measured_peak_bytes)} MiB "
         f"(tensors {mib(prof.tracker_peak_bytes)}), blocks {blocks}")  # fmt: skip
 
@@ -159,9 +156,7 @@ def run_model(name: str, sizes: dict, args: Any, log: Callable[[str], None] = pr
     plan_errors: dict[str, str] = {}
     for label, budget in budgets:
         try:
-            dp_plans[label] = gradckpt.plan(
-                scratch.model, scratch.loss_fn, budget, solver="dp", profile=prof
-            )
+            dp_plans[label] = planner.plan(budget)
         except gradckpt.BudgetError as e:
             dp_plans[label], plan_errors[label] = None, str(e)
     simulated = {
@@ -410,7 +405,7 @@ def planning_time(sizes: dict, args: Any, log: Callable[[str], None] = print) ->
     t0 = time.perf_counter()
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     profile_s = time.perf_counter() - t0
-    budgets, _ = _budgets(prof)
+    budgets, _ = _budgets(gradckpt.Planner(prof))
     timings, errors = {}, {}
     for label, budget in budgets:
         times = []

@@ -183,12 +183,8 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
 
     prof = gradckpt.profile(model, loss_fn, repeats=2)
     plain = prof.measured_peak_bytes
-    from gradckpt.plan.chain import build_chain
-    from gradckpt.plan.dp import ChainDP
-    from gradckpt.plan.solvers import least_peak_plan
-
-    chain = build_chain(prof)
-    least = least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
+    planner = gradckpt.Planner(prof)
+    least = planner.least_peak()[1].peak_bytes
     budgets = {"least": least, "halfway": (least + plain) // 2, "90%": int(0.9 * plain)}
     budgets = {k: b for k, b in budgets.items() if k == "least" or b > least}  # all reachable
     step()  # warm-up: lazily allocated workspaces (cuBLAS) exist before any measurement
@@ -197,7 +193,7 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
     contenders: list[tuple[str, int | None, gradckpt.Plan | None]] = [("plain", None, None)]
     for label, budget in budgets.items():
         try:
-            contenders.append((label, budget, gradckpt.plan(model, loss_fn, budget, profile=prof)))
+            contenders.append((label, budget, planner.plan(budget)))
         except gradckpt.BudgetError as e:
             rows.append({"budget_label": label, "budget_bytes": budget, "error": str(e)[:200]})
     for label, budget, plan in contenders:
@@ -230,7 +226,7 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
 
 
 def _describe(plan: gradckpt.Plan) -> str:
-    from gradckpt.plan.plan import Segment
+    from gradckpt.planning.plan import Segment
 
     modes = [u.mode for u in plan.units]
     parts = [f"{modes.count(m)} {m}" for m in ("recompute", "selective") if modes.count(m)]

@@ -8,9 +8,10 @@ Example:
     >>> print(plan.summary())
 """
 
-from gradckpt import measure, plan, policies, profile
-from gradckpt.api import FrontierPoint, fit, frontier
+from gradckpt import integrations, measure, planning, policies, profiling
+from gradckpt.api import FrontierPoint, explain, fit, frontier, plan, profile
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
+from gradckpt.apply.compiled import compile
 from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
 from gradckpt.engine import (
     RECOMPUTE,
@@ -23,13 +24,12 @@ from gradckpt.engine import (
     checkpoint_sequential,
     tag,
 )
-from gradckpt.integrations.compiled import compile
-from gradckpt.plan import Plan, Segment, UnitChoice, simulate
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.errors import PlanFormatError
-from gradckpt.plan.explain import explain
-from gradckpt.plan.planset import PlanSet
-from gradckpt.profile import Profile
+from gradckpt.planning import Plan, Segment, UnitChoice, simulate
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.errors import PlanFormatError
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.planset import PlanSet
+from gradckpt.profiling import Profile
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "PlanFormatError",
     "PlanMismatchError",
     "PlanSet",
+    "Planner",
     "PolicyContext",
     "Profile",
     "Segment",
@@ -60,10 +61,13 @@ __all__ = [
     "explain",
     "fit",
     "frontier",
+    "integrations",
     "measure",
     "plan",
+    "planning",
     "policies",
     "profile",
+    "profiling",
     "remove",
     "shape_stats",
     "simulate",

@@ -1,33 +1,38 @@
-"""The verbs users call: ``plan``, ``fit``, ``frontier`` (``apply``/``remove`` live in apply/)."""
+"""The verbs users call: ``profile``, ``plan``, ``fit``, ``frontier``, ``explain``.
+
+The top of the library's planning side: arguments are checked here in the
+user's terms, then every verb profiles through the one profiling path
+(:func:`gradckpt.profiling.run.profile`, which consults the registered adapters)
+and asks a :class:`~gradckpt.planning.planner.Planner`. ``apply``/``remove`` live in
+apply/; the shape side of ``plan``/``fit`` in :mod:`gradckpt.api_shapes`.
+"""
 
 from __future__ import annotations
 
 import numbers
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradckpt import integrations, replan
+from gradckpt import api_shapes, replan
+from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
-from gradckpt.apply.apply import apply, install_guarded, install_plan
-from gradckpt.plan.budget import BudgetError, check_budget, parse_budget
-from gradckpt.plan.chain import build_chain
-from gradckpt.plan.costs import with_engine_costs
-from gradckpt.plan.dp import ChainDP
-from gradckpt.plan.plan import Plan, Segment
-from gradckpt.plan.planset import PlanSet, ShapeKey
-from gradckpt.plan.simulate import simulate
-from gradckpt.plan.solvers import SOLVERS, Solver, _items, finish, none_plan, solve
-from gradckpt.profile.fake import fake_model
-from gradckpt.profile.records import Profile
-from gradckpt.profile.run import profile as profile_step
-from gradckpt.profile.units import BlockSpec
+from gradckpt.apply.apply import applied_plan, apply, install_guarded
+from gradckpt.planning.budget import check_budget
+from gradckpt.planning.explain import Explanation
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planner import FrontierPoint, Planner
+from gradckpt.planning.planset import PlanSet, ShapeKey
+from gradckpt.planning.solvers import SOLVERS, Solver
+from gradckpt.profiling import adapters
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.units import BlockSpec
 
-__all__ = ["FrontierPoint", "fit", "frontier", "plan", "profile"]
+__all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
 
 LossFn = Callable[[], torch.Tensor]
 
@@ -82,9 +87,10 @@ def _check_arguments(
 
 
 def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
-    """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profile.profile`.
+    """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profiling.run.profile`.
 
-    Integrations prepare the model first (transformers: no KV cache while profiling).
+    Registered adapters prepare the model first (transformers: no KV cache while
+    profiling); a fitted model's shape guard stays out of the profiling passes.
 
     Example:
         >>> prof = gradckpt.profile(model, loss_fn, fake=True)
@@ -92,17 +98,13 @@ def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
     _check_arguments(
         model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
     )
-    # A fitted model's shape guard stays out of gradckpt's own profiling passes.
-    with shape_guard.paused(model), integrations.preparing(model, fake=bool(options.get("fake"))):
-        return profile_step(model, loss_fn, **options)
+    return profile_step(model, loss_fn, **options)
 
 
-def _profile(
-    model: nn.Module, loss_fn: LossFn, blocks: BlockSpec, repeats: int, given: Profile | None
-) -> Profile:
-    if given is not None:
-        return given
-    return profile(model, loss_fn, blocks=blocks, repeats=repeats)
+def _profile(model: nn.Module, loss_fn: LossFn, options: PlanOptions) -> Profile:
+    if options.profile is not None:
+        return options.profile
+    return profile_step(model, loss_fn, blocks=options.blocks, repeats=options.repeats)
 
 
 def plan(
@@ -129,7 +131,7 @@ def plan(
         budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
             (0, 1] meaning that fraction of the uncheckpointed peak.
         blocks: the repeated blocks (paths or predicate); found automatically if None.
-        solver: "dp" (default) or a baseline name from ``gradckpt.plan.solvers.SOLVERS``.
+        solver: "dp" (default) or a baseline name from ``gradckpt.planning.solvers.SOLVERS``.
         repeats: profiled steps to take median op times from.
         profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
         segments: allow regions that span several units (False for FSDP, whose
@@ -154,134 +156,23 @@ def plan(
     """
     _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
+    options = PlanOptions(blocks, solver, repeats, profile, segments)
     if shapes is None:
-        prof = _profile(model, loss_fn, blocks, repeats, profile)
-        return solve(
-            prof, parse_budget(budget, prof.measured_peak_bytes), solver, segments=segments
-        )
-    fitted, first, _ = _plan_fitted(
-        model, loss_fn, budget, blocks, solver, repeats, profile, segments
-    )
+        return Planner(_profile(model, loss_fn, options), segments=segments).plan(budget, solver)
+    fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
     if fitted is None:
         raise ValueError(
             f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so there is "
             "no input whose shapes= could be varied; plan the module the step calls"
         )
     plans = {fitted.key: first}
-    planner = _planner(
-        model, fitted, first.budget_bytes, blocks, solver, segments, loss_from, seq_dim
+    planner = api_shapes.shape_planner(
+        model, fitted, first.budget_bytes, options, loss_from, seq_dim
     )
     for call in replan.calls_for(fitted, shapes, seq_dim):
         if call.key not in plans:
-            plans[call.key] = _plan_shape(planner, call)
+            plans[call.key] = api_shapes.plan_shape(planner, call)
     return PlanSet(tuple(plans.items()))
-
-
-# ------------------------------------------------------------- shapes (#9)
-
-
-def _plan_fitted(
-    model: nn.Module,
-    loss_fn: LossFn,
-    budget: int | float | str,
-    blocks: BlockSpec,
-    solver: str | Solver,
-    repeats: int,
-    given: Profile | None,
-    segments: bool,
-    measure_candidates: int = 0,
-) -> tuple[replan.Call | None, Plan, Profile]:
-    """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile.
-
-    The call is seen while the step runs (profiling, or measuring candidates);
-    with a given profile and nothing measured, under fake tensors.
-    """
-    recording = replan.capture_call(model, loss_fn)
-    prof = given if given is not None else profile(model, recording, blocks=blocks, repeats=repeats)
-    calls = recording.calls  # type: ignore[attr-defined]
-    if given is None and not calls:
-        # The step never runs the model's own forward (a trainer calling its parts):
-        # a segment opens only inside that forward, so plan unit by unit.
-        segments = False
-    budget_bytes = parse_budget(budget, prof.measured_peak_bytes)
-    chosen = solve(prof, budget_bytes, solver, segments=segments)
-    measured = measure_candidates and not prof.fake
-    if measured:
-        from gradckpt.apply.select import fastest_measured
-
-        count = measure_candidates if solver == "dp" else 1
-        with shape_guard.paused(model):  # candidates are applied and run by hand
-            chosen = fastest_measured(model, recording, prof, chosen, count, segments=segments)
-    if not calls and given is not None:
-        if not measured:  # nothing ran for real yet
-            preparing = integrations.preparing(model, fake=True)
-            with preparing, torch.no_grad(), fake_model(model) as mode, mode:
-                recording()  # only to see the call's shapes; nothing is allocated
-        if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
-            # Known only now that the forward is never called: its segments would not open.
-            chosen = solve(prof, budget_bytes, solver, segments=False)
-    # None: the step never calls the model's own forward, so no call's shape to guard.
-    return (calls[0] if calls else None), chosen, prof
-
-
-def _planner(
-    model: nn.Module,
-    fitted: replan.Call,
-    budget_bytes: int | None,
-    blocks: BlockSpec,
-    solver: str | Solver,
-    segments: bool,
-    loss_from: replan.LossFrom | None,
-    seq_dim: int,
-    rescale: bool = True,
-) -> replan.ShapePlanner:
-    assert budget_bytes is not None
-
-    def profile_fake(step: LossFn) -> Profile:
-        return profile(model, step, blocks=blocks, fake=True)
-
-    def solve_profile(prof: Profile) -> Plan:
-        return solve(prof, budget_bytes, solver, segments=segments)
-
-    return replan.ShapePlanner(
-        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale
-    )
-
-
-def _plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Plan:
-    try:
-        return planner(call)
-    except BudgetError as exc:
-        raise BudgetError(
-            f"at input shape {call.key.describe()}: {exc}", exc.least_peak_bytes
-        ) from exc
-
-
-def _guard(
-    model: nn.Module,
-    on_new_shape: str,
-    plans: dict[ShapeKey | None, Plan],
-    active: ShapeKey,
-    planner: replan.ShapePlanner,
-    round_up: bool,
-) -> shape_guard.ShapeGuard:
-    def plan_new(args: tuple, kwargs: dict) -> Plan:
-        return planner(replan.Call(args, kwargs, replan.shape_key(args, kwargs)))
-
-    def predict(chosen: Plan, args: tuple, kwargs: dict) -> int:
-        call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
-        return simulate(planner.profile_call(call), chosen).peak_bytes
-
-    return shape_guard.ShapeGuard(
-        on_new_shape,
-        plans,
-        active,
-        lambda p: install_plan(model, p),
-        planner=plan_new,
-        predictor=predict,
-        round_up=round_up,
-        rescaled=lambda: planner.rescaled,
-    )
 
 
 def fit(
@@ -325,7 +216,7 @@ def fit(
         seq_dim: the sequence dimension: integer ``shapes`` resize it, and a call that
             changes only it is planned by rescaling (below).
         rescale: plan a call that changes only the sequence length from profiles at
-            four lengths rescaled exactly (:mod:`gradckpt.plan.rescale`; built at the
+            four lengths rescaled exactly (:mod:`gradckpt.planning.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
         measure_candidates: how many plans that fit (the planner's, the best one
@@ -372,9 +263,10 @@ def fit(
             f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
             f"measurement off), got {measure_candidates!r}"
         )
-    with integrations.training(model):  # transformers: use_cache off for training, said once
-        fitted, chosen, _ = _plan_fitted(
-            model, loss_fn, budget, blocks, solver, repeats, profile, segments, measure_candidates
+    options = PlanOptions(blocks, solver, repeats, profile, segments)
+    with adapters.training(model):  # transformers: use_cache off for training, said once
+        fitted, chosen, _ = api_shapes.plan_fitted(
+            model, loss_fn, budget, options, measure_candidates
         )
         if fitted is None:
             warnings.warn(
@@ -385,30 +277,20 @@ def fit(
             )
             apply(model, chosen)
             return chosen
-        planner = _planner(
-            model, fitted, chosen.budget_bytes, blocks, solver, segments, loss_from, seq_dim,
-            rescale,
-        )  # fmt: skip
+        planner = api_shapes.shape_planner(
+            model, fitted, chosen.budget_bytes, options, loss_from, seq_dim, rescale
+        )
         plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
         for call in replan.calls_for(fitted, shapes or (), seq_dim):
             if call.key not in plans:
-                plans[call.key] = _plan_shape(planner, call)
-        guard = _guard(model, on_new_shape, plans, fitted.key, planner, round_up)
+                plans[call.key] = api_shapes.plan_shape(planner, call)
+        guard = api_shapes.guard(model, on_new_shape, plans, fitted.key, planner, round_up)
         install_guarded(model, chosen, guard)
     if compile:
-        from gradckpt.integrations.compiled import compile as compile_planned
+        from gradckpt.apply.compiled import compile as compile_planned
 
         compile_planned(model, loss_fn, **(compile if isinstance(compile, dict) else {}))
     return chosen
-
-
-@dataclass(frozen=True)
-class FrontierPoint:
-    """One Pareto-optimal plan: its predicted peak and overhead."""
-
-    peak_bytes: int
-    overhead: float
-    plan: Plan
 
 
 def frontier(
@@ -427,25 +309,44 @@ def frontier(
         ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
     """
     _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
-    prof = _profile(model, loss_fn, blocks, repeats, profile)
-    chain = with_engine_costs(build_chain(prof), prof)
-    dp = ChainDP(chain.chain)
-    least = dp.least_feasible()
-    candidates = [none_plan(prof)]
-    if least is not None:
-        top = chain.chain.capacity
-        steps = max(2, points)
-        for i in range(steps):
-            m = least + round(i * (top - least) / (steps - 1))
-            candidates.append(Plan(_items(chain, dp.schedule(m)), prof.fingerprint))
-    seen: dict[tuple, FrontierPoint] = {}
-    for candidate in candidates:
-        if candidate.items in seen:
-            continue
-        done, pred = finish(prof, candidate, None, "dp")
-        seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
-    pareto: list[FrontierPoint] = []
-    for point in sorted(seen.values(), key=lambda p: (p.peak_bytes, p.overhead)):
-        if not pareto or point.overhead < pareto[-1].overhead:
-            pareto.append(point)
-    return pareto
+    options = PlanOptions(blocks=blocks, repeats=repeats, profile=profile)
+    return Planner(_profile(model, loss_fn, options)).frontier(points)
+
+
+def explain(
+    model_or_profile: nn.Module | Profile,
+    loss_fn: LossFn | None = None,
+    plan: Plan | None = None,
+    *,
+    budget: int | float | str | None = None,
+    blocks: BlockSpec = None,
+) -> Explanation:
+    """Every storage the step keeps for backward, why, the totals and the peak.
+
+    Args:
+        model_or_profile: a model (profiled once with ``loss_fn``) or a :class:`Profile`.
+        loss_fn: zero-argument callable returning the loss; needed with a model.
+        plan: the plan to explain; None explains the plain step (or, for a model,
+            the plan :func:`gradckpt.apply` installed on it).
+        budget: instead of ``plan``, plan for this budget first (see :func:`plan`).
+        blocks: block paths or predicate, passed to the profiler.
+
+    Returns:
+        An :class:`~gradckpt.planning.explain.Explanation`: ``rows``, ``units``,
+        ``kept_bytes``, ``recomputed_bytes``, ``peak``; ``table()`` and ``to_json()``.
+
+    Example:
+        >>> print(gradckpt.explain(model, loss_fn, budget="2GiB").table())
+    """
+    if budget is not None:
+        check_budget(budget)
+    if isinstance(model_or_profile, Profile):
+        prof = model_or_profile
+    else:
+        if loss_fn is None:
+            raise TypeError("explain(model, loss_fn): a model needs its loss_fn")
+        _check_arguments(model_or_profile, loss_fn, blocks=blocks)
+        if plan is None and budget is None:
+            plan = applied_plan(model_or_profile)
+        prof = profile_step(model_or_profile, loss_fn, blocks=blocks, repeats=1)
+    return Planner(prof).explain(budget, plan)

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from gradckpt.plan.planset import ShapeKey, shape_key
-from gradckpt.plan.simulate import simulate
+from gradckpt.planning.planset import ShapeKey, shape_key
+from gradckpt.planning.simulate import simulate
 
 __all__ = ["Call", "LossFrom", "calls_for", "capture_call", "default_loss_from", "step_at"]
 
@@ -190,7 +190,7 @@ class ShapePlanner:
     """Plans a model call at its shape: rescaled from profiles when exact, else fake-profiled.
 
     A call that differs from the fitted one only in sequence length is planned
-    from a :class:`~gradckpt.plan.rescale.LengthScaling` built (once, at the first
+    from a :class:`~gradckpt.planning.rescale.LengthScaling` built (once, at the first
     such call) from fake profiles at four lengths; any other call, or a model the
     scaling refuses, is profiled under fake tensors at its own shape.
     """
@@ -231,7 +231,7 @@ class ShapePlanner:
         return self.solve_profile(prof)
 
     def _fit_scaling(self, lengths: tuple[int, int], at_new: Any) -> Any:
-        from gradckpt.plan.rescale import fit_length_scaling
+        from gradckpt.planning.rescale import fit_length_scaling
 
         fitted, new = lengths
         low, high = sorted((fitted, new))

@@ -55,7 +55,7 @@ def test_public_names_exist():
         assert hasattr(gradckpt, name), name
     for name in ("save_all", "recompute_all", "save_matmuls", "save_names", "either"):
         assert callable(getattr(gradckpt.policies, name))
-    assert callable(gradckpt.plan) and callable(gradckpt.plan.simulate)
+    assert callable(gradckpt.plan) and callable(gradckpt.planning.simulate)
     assert gradckpt.measure.MemoryTracker is not None
 
 

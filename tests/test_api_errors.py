@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.plan.budget import parse_budget
-from gradckpt.profile import ProfileError
+from gradckpt.planning.budget import parse_budget
+from gradckpt.profiling import ProfileError
 from gradckpt.testing import make
 
 

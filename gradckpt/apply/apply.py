@@ -21,9 +21,9 @@ from gradckpt.apply.wrappers import (
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.plan.plan import Plan, Segment, UnitChoice
-from gradckpt.plan.planset import PlanSet
-from gradckpt.profile.fingerprint import model_fingerprint
+from gradckpt.planning.plan import Plan, Segment, UnitChoice
+from gradckpt.planning.planset import PlanSet
+from gradckpt.profiling.fingerprint import model_fingerprint
 
 __all__ = [
     "PlanMismatchError",

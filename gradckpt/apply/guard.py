@@ -2,7 +2,7 @@
 
 A plan's predicted peak holds for the shape it was made at. The guard runs at
 the top of the model's root wrapper (before any op of the call) and compares
-the call's :class:`~gradckpt.plan.planset.ShapeKey` with the active plan's:
+the call's :class:`~gradckpt.planning.planset.ShapeKey` with the active plan's:
 
 * same key: nothing to do (one tuple comparison after building the key);
 * a key with a cached plan: switch to it (re-install the wrappers, no planning);
@@ -18,7 +18,7 @@ the call's :class:`~gradckpt.plan.planset.ShapeKey` with the active plan's:
 
 With ``round_up`` a key bounded in every dimension by a planned key runs under
 the smallest such plan (only for models whose peak is monotone in shape; see
-:func:`gradckpt.plan.planset.proves_monotone`). Calls without grad (eval) are not
+:func:`gradckpt.planning.planset.proves_monotone`). Calls without grad (eval) are not
 guarded: nothing is kept for backward, so the plan does not matter.
 
 The guard only decides; planning and predicting are given to it as callables
@@ -41,9 +41,10 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from gradckpt.measure.memory import format_bytes
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.planset import ShapeKey, shape_key
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planset import ShapeKey, shape_key
+from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [
     "POLICIES",
@@ -277,6 +278,11 @@ def paused(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         guard._busy.on = before
+
+
+# gradckpt's own profiling passes (every one goes through gradckpt.profile) run
+# with the model's shape guard paused: registered here, the profiler never imports apply.
+register_adapter(Adapter("shape guard", recognizes=lambda model: model in _GUARDS, prepare=paused))
 
 
 def guards(model: nn.Module) -> bool:

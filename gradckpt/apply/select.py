@@ -6,11 +6,11 @@ allocator work, ops running colder in a recompute than when profiled). So
 ``fit`` takes the few candidates that fit the budget (the DP's plan; the best
 *whole-unit* plan, each unit kept or recomputed whole as per-layer
 checkpointing does, so the pick is never a selective plan that measured
-slower than per-layer checkpointing at the same memory; then the baselines
-and leaner DP plans predicted fastest), runs each for ``rounds`` real steps
-interleaved with the plain step (plain, A, B, plain, A, B, ...), and keeps
-the one whose median step ratio is lowest. The kept plan records its
-predicted and measured overhead.
+clearly slower than per-layer checkpointing at the same memory; then the
+baselines and leaner DP plans predicted fastest), runs each for ``rounds``
+real steps interleaved with the plain step (plain, A, B, plain, A, B, ...),
+and keeps the one whose median step ratio is lowest. The kept plan records
+its predicted and measured overhead.
 
 Cost: ``rounds * (candidates + 1)`` training steps (9 with the defaults),
 plus one ``apply``/``remove`` per candidate step. The model, its gradients,
@@ -28,13 +28,13 @@ from torch import nn
 
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.timing import work_clock
-from gradckpt.plan.budget import BudgetError
-from gradckpt.plan.chain import ChainModel, build_chain
-from gradckpt.plan.costs import with_engine_costs
-from gradckpt.plan.plan import Plan, UnitChoice
-from gradckpt.plan.solvers import finish, solve, solve_dp
-from gradckpt.profile.records import Profile
-from gradckpt.profile.state import StepState
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.chain import ChainModel
+from gradckpt.planning.plan import Plan, UnitChoice
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.solvers import finish, solve, solve_dp
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.state import StepState
 
 __all__ = ["candidate_plans", "fastest_measured", "pick_fastest", "whole_unit_plan"]
 
@@ -47,8 +47,12 @@ _LEANER = (0.97, 0.92)
 MARGIN = 0.03
 
 
+def _planner(source: Profile | Planner, segments: bool) -> Planner:
+    return source if isinstance(source, Planner) else Planner(source, segments=segments)
+
+
 def _whole_units(model: ChainModel) -> ChainModel:
-    """The DP chain with each unit's selective options removed (keep or recompute only)."""
+    """The DP chain with each unit's selective options removed and no segments."""
     picks = [[i for i, o in enumerate(opts) if o.mode != "selective"] for opts in model.options]
     stages = tuple(
         replace(stage, options=tuple(stage.options[i] for i in pick), joins_previous=False)
@@ -62,42 +66,49 @@ def _whole(items: tuple) -> bool:
     return all(isinstance(i, UnitChoice) and i.mode != "selective" for i in items)
 
 
-def whole_unit_plan(profile: Profile, budget: int) -> Plan | None:
+def whole_unit_plan(source: Profile | Planner, budget: int) -> Plan | None:
     """The least-time plan within ``budget`` whose units are each kept or recomputed whole.
 
     That is per-layer checkpointing at its best (the DP picks which units to
     recompute; no selective units, no segments), or None when none fits.
+    ``source``: the profile, or a Planner (its chain is reused).
 
     Example:
         >>> whole_unit_plan(prof, 300 << 20).predicted_overhead
     """
-    model = _whole_units(with_engine_costs(build_chain(profile), profile))
+    planner = _planner(source, segments=False)
+    model = _whole_units(planner.chain)
     try:
-        plan = solve_dp(profile, budget, model=model, segments=False)
+        plan = solve_dp(planner.profile, budget, model=model, segments=False)
     except BudgetError:
         return None
     return plan if _whole(plan.items) else None  # a fallback may have made other shapes
 
 
 def candidate_plans(
-    profile: Profile, chosen: Plan, count: int, *, segments: bool = True
+    source: Profile | Planner, chosen: Plan, count: int, *, segments: bool = True
 ) -> list[Plan]:
     """``chosen`` and up to ``count - 1`` other plans that fit its budget.
 
     The best whole-unit plan (:func:`whole_unit_plan`) comes second whenever it
     fits and differs from ``chosen``; the others follow, fastest predicted first.
 
+    ``source``: the profile, or the :class:`~gradckpt.planning.planner.Planner` that
+    made ``chosen`` (its chain and DP are then reused; ``segments`` is its own).
+
     Example:
         >>> candidate_plans(prof, gradckpt.plan(model, loss_fn, 0.5, profile=prof), 2)
     """
+    planner = _planner(source, segments)
+    profile = planner.profile
     budget = chosen.budget_bytes
     found = [chosen]
     whole = None
     if budget is not None and count > 1 and not _whole(chosen.items):
-        whole = whole_unit_plan(profile, budget)
+        whole = whole_unit_plan(planner, budget)
     if budget is not None and count > 1:
         for name in _BASELINES:
-            if name == "sqrt" and not segments:
+            if name == "sqrt" and not planner.segments:
                 continue
             try:
                 found.append(solve(profile, budget, name))
@@ -105,7 +116,7 @@ def candidate_plans(
                 continue
         for share in _LEANER:
             try:
-                leaner = solve(profile, int(budget * share), "dp", segments=segments)
+                leaner = planner.plan(int(budget * share))
             except BudgetError:
                 continue
             found.append(finish(profile, leaner, budget, "dp")[0])
@@ -146,7 +157,7 @@ def pick_fastest(ratios: list[list[float]], margin: float = MARGIN) -> int:
 def fastest_measured(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
-    profile: Profile,
+    source: Profile | Planner,
     chosen: Plan,
     count: int = 2,
     *,
@@ -154,6 +165,8 @@ def fastest_measured(
     segments: bool = True,
 ) -> Plan:
     """Measure up to ``count`` candidate plans (see module doc); return the one to keep.
+
+    ``source``: the profile, or the Planner that made ``chosen`` (see :func:`candidate_plans`).
 
     Costs ``rounds * (count + 1)`` training steps. The model must not have a plan
     applied; it is left as found (no plan applied, gradients, buffers, RNG).
@@ -164,8 +177,9 @@ def fastest_measured(
     """
     if count < 1 or rounds < 1:
         raise ValueError(f"need count >= 1 and rounds >= 1, got {count} and {rounds}")
-    candidates = candidate_plans(profile, chosen, count, segments=segments)
-    clock = work_clock(profile.device)
+    planner = _planner(source, segments)
+    candidates = candidate_plans(planner, chosen, count)
+    clock = work_clock(planner.profile.device)
     guard = StepState(model)  # also leaves and buffers outside the model the step reaches
 
     def step() -> float:

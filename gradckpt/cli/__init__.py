@@ -87,6 +87,7 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
+    from gradckpt.planning.solvers import SOLVERS
 
     parser = _Parser(
         prog="gradckpt",
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     plan.add_argument(
         "--solver", default="dp",
-        choices=["dp", "none", "every_block", "every_kth", "sqrt", "save_matmuls"],
+        choices=sorted(SOLVERS),
         help="dp (default, the least recompute) or a hand-placed baseline, for comparison",
     )  # fmt: skip
     _common(plan)

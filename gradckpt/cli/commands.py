@@ -25,7 +25,9 @@ from gradckpt.cli.common import (
 from gradckpt.cli.extras import CliError, require
 from gradckpt.cli.output import Out
 from gradckpt.cli.targets import resolve
-from gradckpt.plan.explain import Explanation, explain, format_shape, human_bytes
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.explain import Explanation, format_shape
+from gradckpt.planning.planner import Planner
 
 __all__ = ["run_bench", "run_explain", "run_plan"]
 
@@ -67,18 +69,17 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
         check_writable(args.plot, "--plot")
         require("matplotlib", "--plot")
     target, prof = _target_and_profile(args, out)
-    plan = plan_for(prof, args.budget, args.solver, target.name)
-    least = least_peak(prof)
-    explanation = explain(prof, plan=plan)
+    planner = Planner(prof)  # the chain and DP, built once for every question below
+    plan = plan_for(planner, args.budget, args.solver, target.name)
+    least = least_peak(planner)
+    explanation = planner.explain(plan=plan)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     plans = _plan_set(args, target, prof, plan)
     (plans if plans is not None else plan).save(path)
     plotted = None
     if args.plot:
-        import gradckpt
-
-        points = gradckpt.frontier(target.model, target.loss_fn, profile=prof)
+        points = planner.frontier()
         write_frontier_png(
             Path(args.plot), points, title=f"{target.name}: memory-time frontier (predicted)",
             plain_peak=prof.measured_peak_bytes, budget=plan.budget_bytes,
@@ -100,9 +101,9 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
     out.print()
     plan_units_table(out, explanation, title=f"plan ({plan.solver}): {describe_plan(plan)}")
     out.print(
-        f"budget {human_bytes(plan.budget_bytes or 0)}: predicted peak "
-        f"{human_bytes(plan.predicted_peak_bytes)} (plain {human_bytes(prof.measured_peak_bytes)}, "
-        f"least feasible {human_bytes(least)}), predicted overhead {pct(plan.predicted_overhead)}"
+        f"budget {format_bytes(plan.budget_bytes or 0)}: predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)} (plain {format_bytes(prof.measured_peak_bytes)}, "
+        f"least feasible {format_bytes(least)}), predicted overhead {pct(plan.predicted_overhead)}"
     )
     out.print(explanation.peak.describe())
     for hint in explanation.hints():
@@ -123,7 +124,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
     if not getattr(args, "shapes", None):
         return None
     import gradckpt
-    from gradckpt.plan.budget import BudgetError
+    from gradckpt.planning.budget import BudgetError
 
     try:
         return gradckpt.plan(
@@ -140,7 +141,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
 
 
 def run_explain(args: argparse.Namespace, out: Out) -> int:
-    from gradckpt.plan.plan import Plan
+    from gradckpt.planning.plan import Plan
 
     plan = None
     if args.plan:
@@ -151,10 +152,11 @@ def run_explain(args: argparse.Namespace, out: Out) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CliError(f"cannot read the plan {args.plan!r}: {e}") from e
     target, prof = _target_and_profile(args, out)
+    planner = Planner(prof)
     if args.budget is not None:
-        plan = plan_for(prof, args.budget, "dp", target.name)
+        plan = plan_for(planner, args.budget, "dp", target.name)
     try:
-        explanation = explain(prof, plan=plan)
+        explanation = planner.explain(plan=plan)
     except ValueError as e:  # a plan naming units this target does not have
         raise CliError(f"the plan does not fit {target.name}: {e}") from e
     if args.json:
@@ -165,7 +167,7 @@ def run_explain(args: argparse.Namespace, out: Out) -> int:
     if plan is not None:
         out.print(
             f"  under a plan ({describe_plan(plan)}): predicted peak "
-            f"{human_bytes(plan.predicted_peak_bytes)}, overhead {pct(plan.predicted_overhead)}"
+            f"{format_bytes(plan.predicted_peak_bytes)}, overhead {pct(plan.predicted_overhead)}"
         )
     out.print()
     if args.units_only:
@@ -183,24 +185,24 @@ def _explain_rows(out: Out, explanation: Explanation) -> None:
         kept = sum(r.nbytes for r in rows if r.kept)
         block = " (block)" if rows[0].is_block else ""
         table = [
-            [r.op.removeprefix("aten."), format_shape(r.shape), r.dtype, human_bytes(r.nbytes),
+            [r.op.removeprefix("aten."), format_shape(r.shape), r.dtype, format_bytes(r.nbytes),
              r.status, r.why]
             for r in rows
         ]  # fmt: skip
         out.table(
             ["op (producer)", "shape", "dtype", "bytes", "status", "why"], table,
-            title=f"{unit}{block}: keeps {human_bytes(kept)}", right=(3,),
+            title=f"{unit}{block}: keeps {format_bytes(kept)}", right=(3,),
         )  # fmt: skip
 
 
 def _explain_totals(out: Out, e: Explanation) -> None:
     out.print()
     out.print(
-        f"bytes kept for backward: {human_bytes(e.kept_bytes)} ({e.kept_bytes} bytes, "
+        f"bytes kept for backward: {format_bytes(e.kept_bytes)} ({e.kept_bytes} bytes, "
         f"{sum(r.kept for r in e.rows)} storages)"
     )
     out.print(
-        f"bytes recomputed in backward: {human_bytes(e.recomputed_bytes)} "
+        f"bytes recomputed in backward: {format_bytes(e.recomputed_bytes)} "
         f"({sum(not r.kept for r in e.rows)} storages)"
     )
     out.print(f"parameters and inputs also saved (free: they exist anyway): {e.pre_existing_saved}")

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradckpt.cli.extras import CliError, optional
 from gradckpt.cli.output import Out
-from gradckpt.plan.explain import Explanation, human_bytes
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.explain import Explanation
 
 if TYPE_CHECKING:
-    from gradckpt.api import FrontierPoint
     from gradckpt.cli.targets import Target
-    from gradckpt.plan.plan import Plan
-    from gradckpt.profile.records import Profile
+    from gradckpt.planning.plan import Plan
+    from gradckpt.planning.planner import FrontierPoint, Planner
+    from gradckpt.profiling.records import Profile
 
 __all__ = [
     "budget_arg",
@@ -33,48 +32,28 @@ __all__ = [
     "write_frontier_png",
 ]
 
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*$", re.IGNORECASE)
-BUDGET_FORMS = (
-    "give a fraction of the plain peak (0.5 or 50%), bytes with units (800MB, 1.5GiB), "
-    "plain bytes (800000000) or 'least'"
-)
-
-
 def budget_arg(text: str) -> int | float | str:
     """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes.
+
+    Read by the library's one budget parser (:func:`gradckpt.planning.budget.read_budget`);
+    the command line adds 'least' (the least feasible peak).
 
     Example:
         >>> budget_arg("50%"), budget_arg("0.25"), budget_arg("1.5GiB"), budget_arg("4096")
         (0.5, 0.25, '1.5GiB', 4096)
     """
-    from gradckpt.plan.budget import parse_budget
+    from gradckpt.planning.budget import read_budget
 
     raw = text.strip()
     if raw.lower() == "least":
         return "least"
-    if raw.endswith("%"):
-        number = _NUMBER.match(raw[:-1])
-        if number is None or not 0 < float(number.group(1)) <= 100:
-            raise CliError(f"bad budget {text!r}: a percentage is in (0%, 100%]; {BUDGET_FORMS}")
-        return float(number.group(1)) / 100
-    number = _NUMBER.match(raw)
-    if number is not None:
-        if raw.isdigit():
-            if int(raw) <= 0:
-                raise CliError(f"bad budget {text!r}: {BUDGET_FORMS}")
-            return int(raw)
-        value = float(number.group(1))
-        if not 0 < value <= 1:
-            raise CliError(
-                f"bad budget {text!r}: a number that is not whole bytes is a fraction of the "
-                f"plain peak, in (0, 1]; {BUDGET_FORMS}"
-            )
-        return value
     try:
-        parse_budget(raw, 0)
-    except ValueError:
-        raise CliError(f"bad budget {text!r}: {BUDGET_FORMS}") from None
-    return raw
+        kind, value = read_budget(raw)
+    except ValueError as e:
+        raise CliError(f"{e} On the command line, 'least' is the least feasible peak.") from None
+    if kind == "fraction":
+        return value
+    return int(raw) if raw.isdigit() else raw
 
 
 def check_writable(path: str | Path, flag: str, *, folder: bool = False) -> None:
@@ -101,16 +80,13 @@ def check_writable(path: str | Path, flag: str, *, folder: bool = False) -> None
 
 
 def budget_at_least(nbytes: int) -> str:
-    """A --budget string for at least ``nbytes`` (rounded up), e.g. '3.92MiB'.
+    """A --budget string for at least ``nbytes`` (rounded up), e.g. '3.92 MiB'.
 
     Example:
         >>> budget_at_least(4108808)
-        '3.92MiB'
+        '3.92 MiB'
     """
-    for size, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if nbytes >= size:
-            return f"{math.ceil(nbytes * 100 / size) / 100:.2f}{unit}"
-    return str(nbytes)
+    return format_bytes(nbytes, round_up=True)
 
 
 def pct(x: float) -> str:
@@ -130,7 +106,7 @@ def profile_target(
     repeats: int = 3,
 ) -> Profile:  # fmt: skip
     """Profile the target's step, with a spinner; bad block names become a CliError."""
-    from gradckpt.profile.run import ProfileError, profile
+    from gradckpt.profiling.run import ProfileError, profile
 
     what = "estimating (--fake: nothing allocated)" if fake else "measuring"
     with out.status(f"{what} one training step of {target.name} ..."):
@@ -147,31 +123,25 @@ def profile_target(
             ) from e
 
 
-def least_peak(prof: Profile) -> int:
-    """The least peak gradckpt reaches for this step (predicted bytes)."""
-    from gradckpt.plan.chain import build_chain
-    from gradckpt.plan.dp import ChainDP
-    from gradckpt.plan.solvers import least_peak_plan
-
-    chain = build_chain(prof)
-    return least_peak_plan(prof, chain, ChainDP(chain.chain))[1].peak_bytes
+def least_peak(planner: Planner) -> int:
+    """The least peak gradckpt reaches for the planner's step (predicted bytes)."""
+    return planner.least_peak()[1].peak_bytes
 
 
-def plan_for(prof: Profile, budget: int | float | str, solver: str, name: str) -> Plan:
+def plan_for(planner: Planner, budget: int | float | str, solver: str, name: str) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
-    from gradckpt.plan.budget import BudgetError, parse_budget
-    from gradckpt.plan.solvers import solve
+    from gradckpt.planning.budget import BudgetError
 
-    least = least_peak(prof) if budget == "least" else None
-    nbytes = least if least is not None else parse_budget(budget, prof.measured_peak_bytes)
+    prof = planner.profile
+    nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
     try:
-        return solve(prof, nbytes, solver)
+        return planner.plan(nbytes, solver)
     except BudgetError as e:
-        least = e.least_peak_bytes if solver == "dp" else least_peak(prof)
+        least = e.least_peak_bytes if solver == "dp" else least_peak(planner)
         raise CliError(
-            f"budget {human_bytes(nbytes)} is below the least feasible peak for {name}: "
-            f"{human_bytes(least or 0)} ({least} bytes) with solver {solver!r} "
-            f"(plain peak {human_bytes(prof.measured_peak_bytes)}); use --budget "
+            f"budget {format_bytes(nbytes)} is below the least feasible peak for {name}: "
+            f"{format_bytes(least or 0)} ({least} bytes) with solver {solver!r} "
+            f"(plain peak {format_bytes(prof.measured_peak_bytes)}); use --budget "
             f"{budget_at_least(least or 0)} or more, or shrink the batch"
         ) from e
     except ValueError as e:
@@ -180,7 +150,7 @@ def plan_for(prof: Profile, budget: int | float | str, solver: str, name: str) -
 
 def describe_plan(plan: Plan) -> str:
     """'2 recompute, 4 selective, 1 segment' (units not kept plainly)."""
-    from gradckpt.plan.plan import Segment, iter_units
+    from gradckpt.planning.plan import Segment, iter_units
 
     units = list(iter_units(plan.items))
     counts = {m: sum(u.mode == m for u in units) for m in ("recompute", "selective")}
@@ -197,14 +167,14 @@ def plan_units_table(out: Out, explanation: Explanation, title: str | None = Non
     for u in explanation.units:
         name = f"{u.path} (block)" if u.is_block else u.path
         rows.append([
-            name, u.decision, human_bytes(u.kept_bytes) if u.kept_bytes else "-",
-            human_bytes(u.recomputed_bytes) if u.recomputed_bytes else "-",
+            name, u.decision, format_bytes(u.kept_bytes) if u.kept_bytes else "-",
+            format_bytes(u.recomputed_bytes) if u.recomputed_bytes else "-",
             ms(u.recompute_time) if u.recompute_time else "-",
         ])  # fmt: skip
     recompute = sum(u.recompute_time for u in explanation.units)
     footer = [
-        "total", "", human_bytes(explanation.kept_bytes),
-        human_bytes(explanation.recomputed_bytes) if explanation.recomputed_bytes else "-",
+        "total", "", format_bytes(explanation.kept_bytes),
+        format_bytes(explanation.recomputed_bytes) if explanation.recomputed_bytes else "-",
         ms(recompute) if recompute else "-",
     ]  # fmt: skip
     out.table(
@@ -222,7 +192,7 @@ def frontier_rows(points: Sequence[FrontierPoint], plain_peak: int, limit: int =
         step = (len(points) - 1) / (limit - 1)
         points = [points[round(i * step)] for i in range(limit)]
     return [
-        [human_bytes(p.peak_bytes), f"{p.peak_bytes / plain_peak:.0%}", pct(p.overhead),
+        [format_bytes(p.peak_bytes), f"{p.peak_bytes / plain_peak:.0%}", pct(p.overhead),
          describe_plan(p.plan)]
         for p in points
     ]  # fmt: skip
@@ -273,11 +243,11 @@ def target_header(out: Out, target: Target, prof: Profile, *, fake: bool) -> Non
     mode = "estimated with --fake (nothing allocated)" if fake else "measured"
     out.heading(f"{target.name}: {target.description}")
     out.print(
-        f"  {target.params / 1e6:.1f}M parameters ({human_bytes(prof.param_bytes)} with buffers), "
+        f"  {target.params / 1e6:.1f}M parameters ({format_bytes(prof.param_bytes)} with buffers), "
         f"{len(prof.blocks)} blocks, {len(prof.units)} units; device {prof.device}; step {mode}"
     )
     out.print(
-        f"  plain step: peak {human_bytes(prof.measured_peak_bytes)}, "
+        f"  plain step: peak {format_bytes(prof.measured_peak_bytes)}, "
         f"{ms(prof.step_time)}{' (estimate)' if fake else ''}"
     )
 

@@ -37,7 +37,7 @@ from gradckpt.cli.common import (
 )
 from gradckpt.cli.extras import CliError
 from gradckpt.cli.output import Out
-from gradckpt.plan.explain import explain, human_bytes
+from gradckpt.measure.memory import format_bytes
 
 __all__ = ["DEMO_SIZES", "run_demo"]
 
@@ -114,13 +114,14 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
     # 1. the plain step and the frontier
     with out.status("[1/4] profiling the plain training step ..."):
         prof = gradckpt.profile(planned.model, planned.loss_fn, repeats=2)
-        points = gradckpt.frontier(planned.model, planned.loss_fn, profile=prof)
+        planner = gradckpt.Planner(prof)  # chain and DP built once for all that follows
+        points = planner.frontier()
     plain_peak = prof.measured_peak_bytes
-    least = least_peak(prof)
+    least = least_peak(planner)
     out.print(
-        f"[1/4] plain step: peak {human_bytes(plain_peak)} (parameters "
-        f"{human_bytes(prof.param_bytes)}), {ms(prof.step_time)}; least feasible peak "
-        f"{human_bytes(least)} ({least / plain_peak:.0%} of plain)"
+        f"[1/4] plain step: peak {format_bytes(plain_peak)} (parameters "
+        f"{format_bytes(prof.param_bytes)}), {ms(prof.step_time)}; least feasible peak "
+        f"{format_bytes(least)} ({least / plain_peak:.0%} of plain)"
     )
 
     # 2. the plan
@@ -128,17 +129,17 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
         budget: int | float | str = 0.5
         if least > 0.5 * plain_peak:
             out.print(
-                f"  half the plain peak ({human_bytes(plain_peak // 2)}) is below the least "
-                f"feasible peak: planning for the least feasible, {human_bytes(least)}"
+                f"  half the plain peak ({format_bytes(plain_peak // 2)}) is below the least "
+                f"feasible peak: planning for the least feasible, {format_bytes(least)}"
             )
             budget = least
     else:
         budget = args.budget
-    plan = plan_for(prof, budget, "dp", "the demo GPT")
-    explanation = explain(prof, plan=plan)
+    plan = plan_for(planner, budget, "dp", "the demo GPT")
+    explanation = planner.explain(plan=plan)
     out.print(
-        f"[2/4] plan for a budget of {human_bytes(plan.budget_bytes or 0)}: "
-        f"{describe_plan(plan)}; predicted peak {human_bytes(plan.predicted_peak_bytes)}, "
+        f"[2/4] plan for a budget of {format_bytes(plan.budget_bytes or 0)}: "
+        f"{describe_plan(plan)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
         f"predicted overhead {pct(plan.predicted_overhead)}"
     )
     plan_units_table(out, explanation)
@@ -212,10 +213,10 @@ def _report(out: Out, runs: list[Run], plan, prof, least: int, steps: int) -> di
         return ms(statistics.median(run.times)) if run.times else "n/a"
 
     rows = [
-        ["peak memory (measured)", human_bytes(plain.peak), human_bytes(planned.peak)],
-        ["peak memory (predicted)", human_bytes(prof.measured_peak_bytes),
-         human_bytes(plan.predicted_peak_bytes)],
-        ["budget", "-", human_bytes(budget)],
+        ["peak memory (measured)", format_bytes(plain.peak), format_bytes(planned.peak)],
+        ["peak memory (predicted)", format_bytes(prof.measured_peak_bytes),
+         format_bytes(plan.predicted_peak_bytes)],
+        ["budget", "-", format_bytes(budget)],
         ["step time (median, measured)", t(plain), t(planned)],
         ["overhead", "-", "n/a" if overhead is None else pct(overhead)],
         ["overhead (predicted)", "-", pct(plan.predicted_overhead)],
@@ -226,8 +227,8 @@ def _report(out: Out, runs: list[Run], plan, prof, least: int, steps: int) -> di
     saved = 1 - planned.peak / plain.peak if plain.peak else 0.0
     mark = "within" if within else "OVER"
     line = (
-        f"peak {human_bytes(planned.peak)} is {mark} the budget of {human_bytes(budget)} "
-        f"({saved:.0%} less than plain {human_bytes(plain.peak)})"
+        f"peak {format_bytes(planned.peak)} is {mark} the budget of {format_bytes(budget)} "
+        f"({saved:.0%} less than plain {format_bytes(plain.peak)})"
     )
     out.good(line) if within else out.bad(line)
     if overhead is not None:

@@ -1,9 +1,11 @@
-"""Layer 7: integrations with other libraries (Hugging Face transformers, ...).
+"""Layer 7: integrations with other libraries (Hugging Face transformers, diffusers, ...).
 
-Nothing heavy is imported here: ``gradckpt.plan``/``fit`` call :func:`preparing`
-and :func:`training`, which look at the model's classes and only then load the
-integration that fits (``gradckpt.integrations.hf`` never imports transformers
-itself; it recognizes its classes by module name).
+Importing this package (``import gradckpt`` does) registers each library's
+:class:`~gradckpt.profiling.adapters.Adapter`: how to prepare its models for
+profiling, their fake-tensor-friendly paths, their blocks and their training
+switches. The profiler and the API consult that registry; they never import an
+integration. Nothing heavy is imported here: ``gradckpt.integrations.hf`` never
+imports transformers at import time; it recognizes its classes by module name.
 
 Example:
     >>> from gradckpt.integrations import hf
@@ -12,48 +14,34 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import AbstractContextManager
 
 from torch import nn
 
-from gradckpt.integrations import diffusers_unet
-from gradckpt.profile.units import register_block_finder
+from gradckpt.integrations import diffusers_unet, hf
+from gradckpt.profiling.adapters import Adapter, register_adapter
 
-__all__ = ["preparing", "training"]
-
-# Block finders for libraries whose blocks the generic rules miss (none imports its library).
-register_block_finder(diffusers_unet.unet_blocks)
+__all__ = ["DIFFUSERS", "TRANSFORMERS"]
 
 
-def preparing(model: nn.Module, *, fake: bool = False) -> AbstractContextManager[None]:
-    """The context to profile ``model`` in (for transformers: no KV cache; under fake
-    tensors, its real-data branches); else a no-op.
-
-    Example:
-        >>> with preparing(model):
-        ...     prof = gradckpt.profile(model, loss_fn)
-    """
-    from gradckpt.integrations import hf
-
-    if not hf.is_hf_model(model):
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(hf.planning(model))
-    if fake:
-        stack.enter_context(hf.fake_friendly())
-    return stack
+def _fake_friendly(model: nn.Module) -> AbstractContextManager[None]:
+    return hf.fake_friendly()
 
 
-def training(model: nn.Module) -> AbstractContextManager[None]:
-    """The context ``gradckpt.fit`` plans and applies in; its settings stay for training.
-
-    Example:
-        >>> with training(model):
-        ...     gradckpt.apply(model, plan)
-    """
-    from gradckpt.integrations import hf
-
-    if hf.is_hf_model(model):
-        return hf.training(model)
-    return contextlib.nullcontext()
+TRANSFORMERS = register_adapter(
+    Adapter(
+        "transformers",
+        recognizes=hf.is_hf_model,
+        prepare=hf.planning,
+        fake_inputs=_fake_friendly,
+        training=hf.training,
+    )
+)
+# diffusers U-Nets: the generic rules pick the wrong grain (see diffusers_unet).
+DIFFUSERS = register_adapter(
+    Adapter(
+        "diffusers",
+        recognizes=diffusers_unet.is_diffusers_model,
+        find_blocks=diffusers_unet.unet_blocks,
+    )
+)

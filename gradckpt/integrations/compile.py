@@ -26,7 +26,7 @@ Three ways to compile a planned model, all giving the plain model's gradients:
   there, e.g. under ``gradckpt.measure.MemoryTracker``), and their recompute
   then is eager as well.
 * per unit only: ``compile_model(model, whole_model=False)``.
-* :func:`gradckpt.compile` (:mod:`gradckpt.integrations.compiled`): no graph
+* :func:`gradckpt.compile` (:mod:`gradckpt.apply.compiled`): no graph
   breaks at regions; the plan's decisions become selective-checkpoint tags
   inside one compiled graph, and the compiler's partitioner executes them.
   :func:`gradckpt.integrations.compiled_budget.fit_compiled` holds a byte

@@ -7,7 +7,7 @@ it compiles a handful of candidates and *measures* each compiled step's
 allocator peak and median time:
 
 * gradckpt plans (no segments) at several fractions of the eager peak, each
-  executed by the compiler (:func:`gradckpt.integrations.compiled.compile`);
+  executed by the compiler (:func:`gradckpt.apply.compiled.compile`);
 * the compiler's own partitioner at ``activation_memory_budget`` values
   (1.0 is ``torch.compile``'s default).
 
@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import apply, remove
-from gradckpt.integrations.compiled import compile as compile_planned
-from gradckpt.integrations.compiled import uncompile
+from gradckpt.apply.compiled import compile as compile_planned
+from gradckpt.apply.compiled import uncompile
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.plan import Plan
-from gradckpt.plan.budget import BudgetError, parse_budget
-from gradckpt.plan.solvers import solve
-from gradckpt.profile import profile as make_profile
+from gradckpt.planning import Plan
+from gradckpt.planning.budget import BudgetError, parse_budget
+from gradckpt.planning.solvers import solve
+from gradckpt.profiling import profile as make_profile
 
 __all__ = ["CompiledFit", "CompiledPoint", "choose", "fit_compiled", "install", "measure_points"]
 

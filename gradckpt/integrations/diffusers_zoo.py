@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel, UNet2DModel
 from torch import nn
 
-from gradckpt.profile.units import find_blocks
+from gradckpt.profiling.units import find_blocks
 from gradckpt.testing import Example
 
 __all__ = ["UNETS", "unet_example"]

@@ -57,13 +57,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.api import plan as gradckpt_plan
+from gradckpt.api import profile as gradckpt_profile
 from gradckpt.apply.apply import apply
 from gradckpt.measure.memory import MemoryTracker
-from gradckpt.plan.budget import parse_budget
-from gradckpt.plan.plan import Plan
-from gradckpt.plan.solvers import solve
-from gradckpt.profile.records import Profile
-from gradckpt.profile.units import find_blocks
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.planner import Planner
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.units import find_blocks
 
 __all__ = [
     "RankMemory",
@@ -265,18 +266,12 @@ def plan_for_fsdp(
     solver = plan_options.pop("solver", "dp")
 
     def make() -> Plan:
-        from gradckpt.api import _profile
-
-        prof = _profile(
-            model,
-            loss_fn,
-            plan_options.get("blocks"),
-            plan_options.get("repeats", 3),
-            profile,
-        )
+        prof = profile if profile is not None else gradckpt_profile(
+            model, loss_fn, blocks=plan_options.get("blocks"),
+            repeats=plan_options.get("repeats", 3),
+        )  # fmt: skip
         per_rank = rank_profile(prof, rank_memory(model, size, groups))
-        budget = parse_budget(budget_per_rank, per_rank.measured_peak_bytes)
-        return solve(per_rank, budget, solver, segments=False)
+        return Planner(per_rank, segments=False).plan(budget_per_rank, solver)
 
     return _plan_on_src(make, src, group)
 
@@ -307,9 +302,7 @@ def plan_for_ddp(
     """
 
     def make() -> Plan:
-        from gradckpt.api import plan
-
-        return plan(model, loss_fn, budget, **plan_options)
+        return gradckpt_plan(model, loss_fn, budget, **plan_options)
 
     return _plan_on_src(make, src, group)
 

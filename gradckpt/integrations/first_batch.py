@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.api import fit, profile
 from gradckpt.measure.memory import MemoryTracker, format_bytes
-from gradckpt.plan.budget import parse_budget
-from gradckpt.plan.plan import Plan
+from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.plan import Plan
 
 __all__ = ["BudgetReport", "checked_callback_options", "fit_on_batch", "logger", "loss_of"]
 
@@ -173,8 +174,6 @@ def fit_on_batch(
     Example:
         >>> plan, report = fit_on_batch(model, lambda: model(**batch).loss, "2GiB")
     """
-    from gradckpt.api import fit, profile
-
     options = dict(plan_options)
     if options.get("profile") is None:
         # A trainer's step need not call the module's own forward (Lightning's

@@ -103,9 +103,7 @@ def _tell_once(model: nn.Module, key: str, message: str) -> None:
 
 def _caller_level() -> int:
     """The warning stack level of the first frame outside gradckpt (the user's call)."""
-    import gradckpt
-
-    package = os.path.dirname(gradckpt.__file__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gradckpt/
     frame, level = sys._getframe(1), 1  # level 1: _tell_once, which calls warnings.warn
     while frame is not None and (
         frame.f_code.co_filename.startswith(package)

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
-from gradckpt.plan.plan import Plan
+from gradckpt.planning.plan import Plan
 
 __all__ = ["BudgetCallback"]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import MemoryTracker, state_bytes
-from gradckpt.profile.units import find_blocks
+from gradckpt.profiling.units import find_blocks
 from gradckpt.testing import Example
 
 __all__ = ["HF_MODELS", "Step", "hf_example", "run_step"]

@@ -35,7 +35,7 @@ except ImportError:  # the standalone package of Lightning < 2
     from pytorch_lightning import Callback
 
 from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
-from gradckpt.plan.plan import Plan
+from gradckpt.planning.plan import Plan
 
 __all__ = ["BudgetCallback"]
 

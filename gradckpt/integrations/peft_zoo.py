@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from gradckpt.integrations.hf_zoo import hf_example
-from gradckpt.profile.units import find_blocks
+from gradckpt.profiling.units import find_blocks
 from gradckpt.testing import Example
 
 __all__ = ["LORA_TARGETS", "adapter_names", "lora_example"]

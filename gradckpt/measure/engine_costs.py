@@ -12,7 +12,7 @@ ignores them picks plans that are slower than predicted.
 tiny ops (where the kernels cost almost nothing), as differences between a
 plain and a checkpointed step, on :func:`~gradckpt.measure.timing.work_clock`
 (thread CPU time on the CPU: robust to other processes). The planner adds
-them to its predicted time (:mod:`gradckpt.plan.costs`).
+them to its predicted time (:mod:`gradckpt.planning.costs`).
 """
 
 from __future__ import annotations

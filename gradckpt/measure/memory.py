@@ -10,6 +10,7 @@ recorded too, as a cross-check (``device_peak_bytes``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,16 +24,34 @@ from gradckpt.measure.storages import StorageWatcher, storage_key
 __all__ = ["MemoryTracker", "format_bytes", "state_bytes"]
 
 MiB = 1 << 20
+_BINARY_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
-def format_bytes(nbytes: int | None) -> str:
-    """``nbytes`` in MiB with two decimals ("n/a" for None).
+def format_bytes(nbytes: int | None, *, round_up: bool = False, unit: str | None = None) -> str:
+    """``nbytes`` in the largest binary unit that keeps the number >= 1 ("n/a" for None).
+
+    The one byte formatter of gradckpt: messages, tables and reports all use it.
+    ``round_up=True`` rounds the two decimals up, so the text read back as a
+    budget (:func:`gradckpt.planning.budget.parse_budget`) is never below ``nbytes``.
+    ``unit`` ("KiB", "MiB", "GiB") fixes the unit, for columns that line up.
 
     Example:
-        >>> format_bytes(3 << 20)
-        '3.00 MiB'
+        >>> format_bytes(3 << 20), format_bytes(1536), format_bytes(12)
+        ('3.00 MiB', '1.50 KiB', '12 B')
+        >>> format_bytes(4108808, round_up=True), format_bytes(1536, unit="MiB")
+        ('3.92 MiB', '0.00 MiB')
     """
-    return "n/a" if nbytes is None else f"{nbytes / MiB:.2f} MiB"
+    if nbytes is None:
+        return "n/a"
+    units = _BINARY_UNITS if unit is None else [(s, n) for s, n in _BINARY_UNITS if n == unit]
+    if not units:
+        raise ValueError(f"unit must be one of {[n for _, n in _BINARY_UNITS]}, got {unit!r}")
+    for size, name in units:
+        if abs(nbytes) >= size or unit is not None:
+            if round_up:
+                return f"{math.ceil(nbytes * 100 / size) / 100:.2f} {name}"
+            return f"{nbytes / size:.2f} {name}"
+    return f"{nbytes} B"
 
 
 def _model_tensors(model: nn.Module | None) -> Iterable[torch.Tensor]:
@@ -288,14 +307,15 @@ class MemoryTracker(TorchDispatchMode):
             ("alive at exit", self.end_bytes),
             ("device peak", self.device_peak_bytes),
         ]
-        lines = [f"{name:<18}{format_bytes(n):>14}" for name, n in rows]
+        lines = [f"{name:<18}{format_bytes(n, unit='MiB'):>14}" for name, n in rows]
         lines.append(f"{'events':<18}{self.num_events:>14}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         b = self.breakdown
         return (
-            f"MemoryTracker(peak={format_bytes(self.peak_bytes)} = params "
-            f"{format_bytes(b['params'])} + grads {format_bytes(b['grads'])} + activations "
-            f"{format_bytes(b['activations'])}, end={format_bytes(self.end_bytes)})"
+            f"MemoryTracker(peak={format_bytes(self.peak_bytes, unit='MiB')} = params "
+            f"{format_bytes(b['params'], unit='MiB')} + grads {format_bytes(b['grads'], unit='MiB')}"
+            f" + activations {format_bytes(b['activations'], unit='MiB')}, "
+            f"end={format_bytes(self.end_bytes, unit='MiB')})"
         )

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.plan import Plan, Segment, UnitChoice
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 
 

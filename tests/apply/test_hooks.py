@@ -10,8 +10,8 @@ from torch import nn
 
 import gradckpt
 from gradckpt.engine import active_frame
-from gradckpt.plan import Plan, Segment, UnitChoice
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 
 

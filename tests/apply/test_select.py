@@ -12,8 +12,8 @@ from gradckpt.apply.select import (
     pick_fastest,
     whole_unit_plan,
 )
-from gradckpt.plan import Plan
-from gradckpt.plan.plan import UnitChoice
+from gradckpt.planning import Plan
+from gradckpt.planning.plan import UnitChoice
 from gradckpt.testing import make
 
 

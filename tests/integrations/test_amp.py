@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 import gradckpt
 from gradckpt.integrations import hf
 from gradckpt.integrations.hf_zoo import hf_example, run_step
-from gradckpt.plan import Plan, UnitChoice
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, UnitChoice
+from gradckpt.profiling import model_fingerprint
 
 BF16 = torch.bfloat16
 MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}

@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradckpt
 from gradckpt.integrations.compile import compile_model, compiled_units
-from gradckpt.plan import Plan, Segment, UnitChoice
-from gradckpt.plan.solvers import save_matmuls_plan
-from gradckpt.profile import find_units, model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")

@@ -17,7 +17,7 @@ import torch
 
 from gradckpt.integrations.compiled_budget import choose, fit_compiled, measure_points
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.plan.budget import BudgetError
+from gradckpt.planning.budget import BudgetError
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")

@@ -18,7 +18,7 @@ import gradckpt
 from gradckpt.integrations.diffusers_unet import unet_blocks
 from gradckpt.integrations.diffusers_zoo import unet_example
 from gradckpt.integrations.hf_zoo import run_step
-from gradckpt.profile.units import find_blocks
+from gradckpt.profiling.units import find_blocks
 
 BUDGET = 0.7
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import gradckpt
 from gradckpt.integrations.distributed import rank_memory, rank_profile
-from gradckpt.plan import Plan, Segment, UnitChoice
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 
 WORLD = 2

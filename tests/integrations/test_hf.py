@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 import gradckpt
 from gradckpt.integrations import hf
 from gradckpt.integrations.hf_zoo import HF_MODELS, hf_example, run_step
-from gradckpt.plan import Plan, Segment, UnitChoice, simulate
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice, simulate
+from gradckpt.profiling import model_fingerprint
 
 # Test sizes: tiny, but with activations enough that a plan has something to save.
 SIZES = {

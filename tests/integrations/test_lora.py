@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 import gradckpt
 from gradckpt.integrations import hf
 from gradckpt.integrations.hf_zoo import hf_example, run_step
-from gradckpt.plan import Plan, Segment, UnitChoice, iter_units
-from gradckpt.profile import model_fingerprint
+from gradckpt.planning import Plan, Segment, UnitChoice, iter_units
+from gradckpt.profiling import model_fingerprint
 
 TARGETS = ("q_proj", "v_proj", "c_attn")  # Llama's query/value, GPT-2's fused qkv (Conv1D)
 BUDGET = 0.85

@@ -1,0 +1,172 @@
+"""The shape side of the API: the plan for the step's own call, plans for other shapes,
+and the guard that switches between them (``gradckpt.plan(shapes=...)``, ``gradckpt.fit``).
+
+Split out of :mod:`gradckpt.api` (same layer): the verbs there check arguments
+and call these.
+
+Example:
+    >>> fitted, chosen, prof = plan_fitted(model, loss_fn, "3GiB", options)
+    >>> planner = shape_planner(model, fitted, chosen.budget_bytes, options)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradckpt import replan
+from gradckpt.apply import guard as shape_guard
+from gradckpt.apply.apply import install_plan
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.plan import Plan, Segment
+from gradckpt.planning.planner import Planner
+from gradckpt.planning.planset import ShapeKey
+from gradckpt.planning.simulate import simulate
+from gradckpt.planning.solvers import Solver
+from gradckpt.profiling import adapters
+from gradckpt.profiling.fake import fake_model
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.units import BlockSpec
+
+__all__ = ["PlanOptions", "guard", "plan_fitted", "plan_shape", "shape_planner"]
+
+LossFn = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The planning options ``plan`` and ``fit`` share (already checked)."""
+
+    blocks: BlockSpec = None
+    solver: str | Solver = "dp"
+    repeats: int = 3
+    profile: Profile | None = None
+    segments: bool = True
+
+
+def plan_fitted(
+    model: nn.Module,
+    loss_fn: LossFn,
+    budget: int | float | str,
+    options: PlanOptions,
+    measure_candidates: int = 0,
+) -> tuple[replan.Call | None, Plan, Profile]:
+    """The plan for ``loss_fn``'s step, the model call it makes (its shape key), its profile.
+
+    The call is seen while the step runs (profiling, or measuring candidates);
+    with a given profile and nothing measured, under fake tensors. None for the
+    call: the step never calls the model's own forward, so there is no shape to guard.
+
+    Example:
+        >>> call, plan, prof = plan_fitted(model, loss_fn, 0.5, PlanOptions())
+    """
+    recording = replan.capture_call(model, loss_fn)
+    given = options.profile
+    if given is None:
+        prof = profile_step(model, recording, blocks=options.blocks, repeats=options.repeats)
+    else:
+        prof = given
+    calls = recording.calls  # type: ignore[attr-defined]
+    segments = options.segments
+    if given is None and not calls:
+        # The step never runs the model's own forward (a trainer calling its parts):
+        # a segment opens only inside that forward, so plan unit by unit.
+        segments = False
+    planner = Planner(prof, segments=segments)
+    budget_bytes = planner.budget_bytes(budget)
+    chosen = planner.plan(budget_bytes, options.solver)
+    measured = measure_candidates and not prof.fake
+    if measured:
+        from gradckpt.apply.select import fastest_measured
+
+        count = measure_candidates if options.solver == "dp" else 1
+        with shape_guard.paused(model):  # candidates are applied and run by hand
+            chosen = fastest_measured(model, recording, planner, chosen, count)
+    if not calls and given is not None:
+        if not measured:  # nothing ran for real yet
+            preparing = adapters.preparing(model, fake=True)
+            with preparing, torch.no_grad(), fake_model(model) as mode, mode:
+                recording()  # only to see the call's shapes; nothing is allocated
+        if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
+            # Known only now that the forward is never called: its segments would not open.
+            chosen = Planner(prof, segments=False).plan(budget_bytes, options.solver)
+    return (calls[0] if calls else None), chosen, prof
+
+
+def shape_planner(
+    model: nn.Module,
+    fitted: replan.Call,
+    budget_bytes: int | None,
+    options: PlanOptions,
+    loss_from: replan.LossFrom | None,
+    seq_dim: int,
+    rescale: bool = True,
+) -> replan.ShapePlanner:
+    """Plans other shapes of ``fitted``'s call under the same budget in bytes (fake profiles).
+
+    Example:
+        >>> planner = shape_planner(model, call, plan.budget_bytes, PlanOptions(), None, 1)
+    """
+    assert budget_bytes is not None
+
+    def profile_fake(step: LossFn) -> Profile:
+        return profile_step(model, step, blocks=options.blocks, fake=True)
+
+    def solve_profile(prof: Profile) -> Plan:
+        return Planner(prof, segments=options.segments).plan(budget_bytes, options.solver)
+
+    return replan.ShapePlanner(
+        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale
+    )
+
+
+def plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Plan:
+    """``planner(call)``; a budget that does not fit says at which shape.
+
+    Example:
+        >>> plan_shape(planner, call).input_shapes
+    """
+    try:
+        return planner(call)
+    except BudgetError as exc:
+        raise BudgetError(
+            f"at input shape {call.key.describe()}: {exc}", exc.least_peak_bytes
+        ) from exc
+
+
+def guard(
+    model: nn.Module,
+    on_new_shape: str,
+    plans: dict[ShapeKey | None, Plan],
+    active: ShapeKey,
+    planner: replan.ShapePlanner,
+    round_up: bool,
+) -> shape_guard.ShapeGuard:
+    """The shape guard ``fit`` installs: checks each call, switches or plans per shape.
+
+    Example:
+        >>> install_guarded(model, plan, guard(model, "replan", plans, key, planner, False))
+    """
+
+    def plan_new(args: tuple, kwargs: dict[str, Any]) -> Plan:
+        return planner(replan.Call(args, kwargs, replan.shape_key(args, kwargs)))
+
+    def predict(chosen: Plan, args: tuple, kwargs: dict[str, Any]) -> int:
+        call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
+        return simulate(planner.profile_call(call), chosen).peak_bytes
+
+    return shape_guard.ShapeGuard(
+        on_new_shape,
+        plans,
+        active,
+        lambda p: install_plan(model, p),
+        planner=plan_new,
+        predictor=predict,
+        round_up=round_up,
+        rescaled=lambda: planner.rescaled,
+    )

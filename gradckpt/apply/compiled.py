@@ -1,0 +1,253 @@
+"""gradckpt's plan executed *by* the compiler: one compiled graph, the plan's decisions inside it.
+
+An execution backend of a plan, beside the eager one (:mod:`gradckpt.apply.apply`),
+so it belongs to the apply layer (``gradckpt.fit(..., compile=True)`` uses it).
+
+:func:`gradckpt.integrations.compile.compile_model` compiles around gradckpt's
+own regions (each region is a graph break, its body compiled apart). This
+module instead hands the plan to the compiler: every planned unit's forward
+becomes a ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+call with a selective-checkpoint policy, which Dynamo traces into the model's
+graph and AOT autograd's min-cut partitioner honours:
+
+* ``keep``: the unit runs plainly; the partitioner saves what it likes;
+* ``recompute``: a checkpoint region (every op in it recomputable);
+* ``selective``: a checkpoint region whose planned op outputs are tagged
+  ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE``.
+
+Selective plans name ops by position in the *eager* op sequence of the unit;
+the traced graph has extra ops (clones from functionalization), so positions
+are translated to "the k-th call of this op" by recording one eager forward
+(:func:`_occurrences`), which is why selective plans need ``loss_fn``.
+
+Plans with multi-block segments are refused (plan with ``segments=False``):
+a segment is a region across several module calls, which has no single
+callable to checkpoint. Random ops (dropout) are saved by the partitioner, not
+replayed, so recomputes do not change the masks.
+
+Example:
+    >>> plan = gradckpt.fit(model, loss_fn, budget=0.5, segments=False)
+    >>> gradckpt.compile(model, loss_fn, backend="inductor")
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradckpt.apply.apply import applied_plan, applied_units
+from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
+from gradckpt.planning import Plan, Segment, UnitChoice
+
+__all__ = ["compile", "compiled_plan", "uncompile"]
+
+#: model -> (plan it was compiled with, [(module, forward it had before)]).
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, tuple[Plan, list[tuple[nn.Module, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+Occurrence = tuple[str, int]  # (op name, how many calls of that op came before it in the unit)
+
+
+def compile(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor] | None = None,
+    **compile_kwargs: Any,
+) -> nn.Module:
+    """Compile ``model`` in place as one graph with its applied plan honoured by the partitioner.
+
+    Args:
+        model: a model :func:`gradckpt.apply`/``fit`` installed a plan on (no
+            segments). Without a plan it is simply ``model.compile(...)``.
+        loss_fn: the zero-argument loss the plan was made with; needed only
+            when the plan has selective units (one eager forward is recorded
+            to translate op positions).
+        **compile_kwargs: passed to ``nn.Module.compile`` (``backend``,
+            ``mode``, ``dynamic``, ``fullgraph``, ``options``).
+
+    Returns:
+        The model, compiled in place (call :func:`uncompile` or
+        :func:`gradckpt.remove` to undo).
+
+    Example:
+        >>> gradckpt.fit(model, loss_fn, budget="300MB", segments=False)
+        >>> gradckpt.compile(model, loss_fn)
+        >>> loss_fn().backward()  # the compiled step, with the plan inside it
+    """
+    plan = applied_plan(model)
+    if plan is None:
+        model.compile(**compile_kwargs)
+        return model
+    if any(isinstance(item, Segment) for item in plan.items):
+        raise ValueError(
+            "gradckpt.compile: the applied plan has multi-block segments, which the compiler "
+            "cannot checkpoint as one call; plan with segments=False "
+            "(gradckpt.fit(model, loss_fn, budget, segments=False))"
+        )
+    modules = dict(model.named_modules())
+    selective = [u for u in plan.units if u.mode == "selective"]
+    if selective and loss_fn is None:
+        raise ValueError(
+            f"gradckpt.compile: units {[u.path for u in selective]} keep single ops; pass the "
+            "plan's loss_fn (gradckpt.compile(model, loss_fn)) so their op positions can be "
+            "translated to the compiled graph"
+        )
+    if model in _COMPILED:
+        uncompile(model)
+    plains = {path: spec.plain for path, spec in applied_units(model).items()}
+    saves = _occurrences(model, loss_fn, selective, modules, plains) if selective else {}
+    replaced: list[tuple[nn.Module, Any]] = []
+    for unit in plan.units:
+        module = modules[unit.path]
+        replaced.append((module, module.__dict__.get("forward")))
+        module.forward = _compiled_forward(unit, plains[unit.path], saves.get(unit.path, ()))
+    _COMPILED[model] = (plan, replaced)
+    model.compile(**compile_kwargs)
+    return model
+
+
+def compiled_plan(model: nn.Module) -> Plan | None:
+    """The plan :func:`compile` put inside ``model``'s compiled graph, or None."""
+    entry = _COMPILED.get(model)
+    return entry[0] if entry is not None else None
+
+
+def uncompile(model: nn.Module) -> nn.Module:
+    """Undo :func:`compile`: gradckpt's eager wrappers back, the model's compiled call dropped.
+
+    Example:
+        >>> gradckpt.compile(model); uncompile(model)  # eager plan again
+    """
+    entry = _COMPILED.pop(model, None)
+    if entry is not None:
+        for module, previous in reversed(entry[1]):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+    model._compiled_call_impl = None
+    return model
+
+
+def _compiled_forward(
+    unit: UnitChoice, plain: Callable[..., Any], saves: tuple[Occurrence, ...]
+) -> Callable[..., Any]:
+    """The unit's forward as the compiler should see it (see the module docstring)."""
+    if unit.mode == "keep":
+        forward = plain
+    else:
+        context_fn = functools.partial(_sac_contexts, frozenset(saves), unit.path)
+        eager_plain = torch.compiler.disable(plain)
+
+        def body(*args: Any, **kwargs: Any) -> Any:
+            # Traced into the graph when Dynamo captures the region; when it cannot
+            # (a graph break inside), the region runs eagerly, and its body must too:
+            # a forward run as compiled frames would save other ops than the eager
+            # recompute replays.
+            if torch.compiler.is_compiling():
+                return plain(*args, **kwargs)
+            return eager_plain(*args, **kwargs)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return torch.utils.checkpoint.checkpoint(
+                body, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+            )
+
+    @functools.wraps(plain)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    wrapper.__gradckpt_original__ = plain  # type: ignore[attr-defined]  # re-apply finds it
+    return wrapper
+
+
+def _sac_contexts(saves: frozenset[Occurrence], path: str) -> tuple[Any, Any]:
+    """Fresh SAC contexts for one region call: MUST_SAVE at the planned occurrences."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        name = str(op)
+        seen = counts[bool(ctx.is_recompute)]
+        index = seen[name]
+        seen[name] += 1
+        if (name, index) in saves:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.__name__ = f"gradckpt_compiled_policy({path})"
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Names of the ATen ops run under it, in order (what gradckpt's policies index)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in _UNCOUNTED:  # positions count what the engine's policies count
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _occurrences(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    selective: list[UnitChoice],
+    modules: dict[str, nn.Module],
+    plains: dict[str, Callable[..., Any]],
+) -> dict[str, tuple[Occurrence, ...]]:
+    """Per selective unit, its saved op positions as (op name, occurrence), from one eager forward."""
+    recorded: dict[str, list[str]] = {}
+    originals = {u.path: modules[u.path].__dict__.get("forward") for u in selective}
+
+    def recording(path: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if path in recorded:  # a unit called twice: the first call defines positions
+                return plains[path](*args, **kwargs)
+            with _OpRecorder() as rec:
+                out = plains[path](*args, **kwargs)
+            recorded[path] = rec.names
+            return out
+
+        return forward
+
+    try:
+        for unit in selective:
+            modules[unit.path].forward = recording(unit.path)
+        with torch.random.fork_rng(devices=[]):
+            loss_fn()  # with grad: the ops recorded are the training step's
+    finally:
+        for path, previous in originals.items():
+            if previous is None:
+                modules[path].__dict__.pop("forward", None)
+            else:
+                modules[path].forward = previous
+    result: dict[str, tuple[Occurrence, ...]] = {}
+    for unit in selective:
+        names = recorded.get(unit.path)
+        if names is None:
+            raise ValueError(f"gradckpt.compile: loss_fn never called unit {unit.path!r}")
+        saves = []
+        for index, expected in zip(unit.save, unit.save_ops):
+            if index >= len(names) or names[index] != expected:
+                warnings.warn(
+                    f"gradckpt.compile: op #{index} of {unit.path} is not {expected} in this run; "
+                    "it is recomputed. Plan again for this model and batch.",
+                    stacklevel=3,
+                )
+                continue
+            saves.append((expected, names[:index].count(expected)))
+        result[unit.path] = tuple(saves)
+    return result

@@ -1,0 +1,192 @@
+"""The engine's own costs in a plan's predicted time: pure functions of counts.
+
+What a plan costs beyond the ops it recomputes is a count of engine events
+times their measured unit costs (:class:`~gradckpt.measure.engine_costs.EngineCosts`):
+
+* every region (a unit's region or a segment) is entered in the forward and
+  once in the recompute: ``region`` each;
+* every op a recompute runs up to its early stop, kept outputs replayed
+  included, passes the recompute's dispatch mode: ``recompute_op`` each;
+* every op of a selective region's forward is shown to its policy:
+  ``policy_op`` each;
+* every tensor autograd saves inside a region goes through the pack hook in
+  the forward and in each recompute that reaches it, and the unpack hook:
+  ``saved_tensor`` each time a recompute covers it;
+* a recomputed op also reruns the Python and autograd work around its kernel,
+  which op times leave out: the plain step's untimed seconds per op
+  (:func:`untimed_per_op`).
+
+The counts are deterministic (ops and saved tensors of the profile); only the
+unit costs are measured, once per process. :func:`plan_counts` and
+:func:`engine_seconds` are what the simulator adds to its time;
+:func:`with_engine_costs` adds the same costs to the DP's options, so the
+solver weighs a selective region's policy against the recompute it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.planning.per_profile import per_profile
+from gradckpt.profiling.records import Profile, UnitRecord
+
+if TYPE_CHECKING:  # both import the simulator, which imports this module
+    from gradckpt.planning.chain import ChainModel
+    from gradckpt.planning.simulate import Region
+
+__all__ = [
+    "EngineCounts",
+    "engine_seconds",
+    "plan_counts",
+    "step_costs",
+    "unit_counts",
+    "untimed_per_op",
+    "with_engine_costs",
+]
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """How many times each engine event happens in one step of a plan.
+
+    Example:
+        >>> engine_seconds(EngineCounts(regions=2, recompute_ops=40), costs)
+    """
+
+    regions: int = 0
+    recompute_ops: int = 0
+    policy_ops: int = 0
+    saved_tensors: int = 0
+
+    def __add__(self, other: EngineCounts) -> EngineCounts:
+        return EngineCounts(
+            self.regions + other.regions,
+            self.recompute_ops + other.recompute_ops,
+            self.policy_ops + other.policy_ops,
+            self.saved_tensors + other.saved_tensors,
+        )
+
+
+@per_profile
+def untimed_per_op(profile: Profile) -> float:
+    """Seconds of the plain step outside its timed kernels, per op (Python, autograd).
+
+    Op times are taken around each kernel; the module code around the ops and
+    autograd's graph bookkeeping run again in a recompute too, and on small ops
+    they cost as much as the kernels.
+
+    Example:
+        >>> untimed_per_op(prof) * 100  # what rerunning 100 ops costs beyond their kernels
+    """
+    if not profile.ops:
+        return 0.0
+    return max(0.0, profile.step_time - sum(op.time for op in profile.ops)) / len(profile.ops)
+
+
+def step_costs(profile: Profile) -> EngineCosts:
+    """The profile's engine costs, a recomputed op also paying its share of untimed work.
+
+    Example:
+        >>> engine_seconds(counts, step_costs(prof))
+    """
+    costs = profile.engine_costs
+    return replace(costs, recompute_op=costs.recompute_op + untimed_per_op(profile))
+
+
+def engine_seconds(counts: EngineCounts, costs: EngineCosts) -> float:
+    """Seconds the engine adds for ``counts`` events at ``costs`` per event.
+
+    Example:
+        >>> engine_seconds(EngineCounts(recompute_ops=10), EngineCosts(recompute_op=1e-5))
+        0.0001
+    """
+    return (
+        counts.regions * costs.region
+        + counts.recompute_ops * costs.recompute_op
+        + counts.policy_ops * costs.policy_op
+        + counts.saved_tensors * costs.saved_tensor
+    )
+
+
+def plan_counts(
+    profile: Profile, tops: Iterable[Region], recomputed: Iterable[tuple[Region, int]]
+) -> EngineCounts:
+    """Engine events of a simulated plan: its top regions, and each recompute with its stop.
+
+    ``recomputed`` lists every region the simulator recomputed (nested ones
+    inside a segment's recompute too) with the op index its recompute stops at.
+
+    Example:
+        >>> plan_counts(prof, regions, [(regions[0], regions[0].end_op)])
+    """
+    total = EngineCounts()
+    for region in tops:
+        total += EngineCounts(regions=1, policy_ops=_policy_ops(region))
+    for region, stop in recomputed:
+        for child in region.children:  # opened while this recompute runs
+            total += EngineCounts(regions=1, policy_ops=_policy_ops(child))
+        total += EngineCounts(
+            recompute_ops=max(0, stop - region.first_op), saved_tensors=len(region.packs)
+        )
+    return total
+
+
+def _policy_ops(region: Region) -> int:
+    return region.end_op - region.first_op if region.save else 0
+
+
+@per_profile
+def _packs_by_unit(profile: Profile) -> dict[int, list[int]]:
+    """Each unit's packs' ``ops_done``: one pass, not one per unit (deep models)."""
+    done: dict[int, list[int]] = {}
+    for p in profile.packs:
+        done.setdefault(p.unit, []).append(p.ops_done)
+    return done
+
+
+def _stop(profile: Profile, unit: UnitRecord) -> int:
+    done = _packs_by_unit(profile).get(unit.index, ())
+    return min(max(done, default=unit.first_op), unit.end_op)
+
+
+def unit_counts(profile: Profile, unit: UnitRecord, mode: str) -> EngineCounts:
+    """Engine events of one unit run as its own region in ``mode`` (keep: none).
+
+    Example:
+        >>> unit_counts(prof, prof.blocks[0], "selective").policy_ops
+    """
+    if mode == "keep":
+        return EngineCounts()
+    packs = len(_packs_by_unit(profile).get(unit.index, ()))
+    return EngineCounts(
+        regions=1,
+        recompute_ops=_stop(profile, unit) - unit.first_op,
+        policy_ops=unit.end_op - unit.first_op if mode == "selective" else 0,
+        saved_tensors=packs,
+    )
+
+
+def with_engine_costs(model: ChainModel, profile: Profile) -> ChainModel:
+    """The DP chain with each option's time raised by what the engine costs to run it.
+
+    Example:
+        >>> dp = ChainDP(with_engine_costs(build_chain(prof), prof).chain)
+    """
+    costs = step_costs(profile)
+    if costs == EngineCosts(device=costs.device):
+        return model
+    stages = []
+    for stage, unit, options in zip(model.chain.stages, model.units, model.options):
+        timed = tuple(
+            replace(o, time=o.time + engine_seconds(unit_counts(profile, unit, c.mode), costs))
+            for o, c in zip(stage.options, options)
+        )
+        # Inside a segment's recompute the unit reruns whole, under the recompute's mode.
+        rerun = replace(unit_counts(profile, unit, "recompute"), regions=0)
+        rerun = replace(rerun, recompute_ops=unit.end_op - unit.first_op)
+        fwd_time = stage.fwd_time + engine_seconds(rerun, costs)
+        stages.append(replace(stage, options=timed, fwd_time=fwd_time))
+    return replace(model, chain=replace(model.chain, stages=tuple(stages)))

@@ -1,0 +1,432 @@
+"""``explain``: every tensor kept for backward, why, and where the peak is.
+
+The question behind it is the one users ask when checkpointing "doesn't lower
+my peak": what does backward keep, which of it does the plan recompute, and is
+the peak made of kept activations at all (or of gradients and temporaries,
+which no checkpointing removes)?
+
+Each row is one *storage* created during the step and saved for backward (a
+storage saved by several ops, or saved as a view, counts once). Under a plan it
+is
+
+* ``kept``: saved by a unit that runs plainly (or by code outside every unit);
+* ``region input``: an input of a checkpointed region, which keeps it;
+* ``selective``: the output of an op that a selective region keeps;
+* ``recomputed``: saved only inside checkpointed regions: made again in backward.
+
+Tensors that existed before the step (parameters, the batch) are not rows:
+keeping them costs nothing extra.
+
+Example:
+    >>> ex = gradckpt.explain(model, loss_fn)                   # the plain step
+    >>> ex = gradckpt.explain(model, loss_fn, budget=0.5)       # under a plan
+    >>> print(ex.table()); ex.kept_bytes, ex.peak.phase
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.plan import Plan, Segment, UnitChoice
+from gradckpt.planning.simulate import Prediction, Region, regions_of, simulate
+from gradckpt.profiling.records import NEVER, Profile
+
+__all__ = [
+    "Explanation",
+    "PeakInfo",
+    "SavedStorage",
+    "UnitCost",
+    "explain",
+    "format_shape",
+]
+
+OUTSIDE = "(outside units)"
+STATUSES = ("kept", "region input", "selective", "recomputed")
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage the plain step keeps for backward, and what the plan does with it (a row)."""
+
+    unit: str  # the unit that saves it (or holds it, for a region input); OUTSIDE if none
+    is_block: bool
+    op: str  # the op that produced it, e.g. "aten.addmm.default"
+    shape: tuple[int, ...] | None  # as saved (a view's shape); None if no op saves it
+    dtype: str
+    nbytes: int
+    status: str  # one of STATUSES
+    why: str
+    storage: int  # storage id in the profile
+    saved_by: int  # saved-tensor records (ops) that save this storage
+
+    @property
+    def kept(self) -> bool:
+        return self.status != "recomputed"
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Per unit: the plan's decision, bytes it keeps and recomputes, recompute time."""
+
+    path: str
+    is_block: bool
+    decision: str
+    kept_bytes: int
+    recomputed_bytes: int
+    recompute_time: float  # seconds of its forward ops run again in backward
+    calls: int = 1  # times the unit runs per step (more than once: never checkpointed)
+
+
+@dataclass(frozen=True)
+class PeakInfo:
+    """Where the (predicted) peak occurs and what it is made of."""
+
+    peak_bytes: int
+    param_bytes: int
+    kept_bytes: int  # tensors kept for backward (rows with kept status) alive at the peak
+    other_bytes: int  # gradients, temporaries and recomputed activations
+    phase: str  # "forward" or "backward"
+    unit: str
+    op: str
+    #: Bytes the op's kernel allocates beyond its outputs, when they are part of the peak.
+    workspace_bytes: int = 0
+
+    def describe(self) -> str:
+        workspace = (
+            f", kernel workspace of {self.op.removeprefix('aten.')} "
+            f"{format_bytes(self.workspace_bytes)}"
+            if self.workspace_bytes
+            else ""
+        )
+        return (
+            f"peak {format_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
+            f"({self.op.removeprefix('aten.')}): parameters and buffers "
+            f"{format_bytes(self.param_bytes)}, tensors kept for backward "
+            f"{format_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
+            f"activations {format_bytes(self.other_bytes)}{workspace}"
+        )
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a step keeps for backward under a plan (or plainly), with totals and the peak."""
+
+    rows: tuple[SavedStorage, ...]
+    units: tuple[UnitCost, ...]
+    kept_bytes: int
+    recomputed_bytes: int
+    pre_existing_saved: int  # saved tensors that are parameters or inputs (not rows)
+    peak: PeakInfo
+    plain_peak_bytes: int
+    plan: Plan | None
+
+    def by_unit(self) -> dict[str, list[SavedStorage]]:
+        """Rows grouped by unit, in forward order."""
+        groups: dict[str, list[SavedStorage]] = {}
+        for row in self.rows:
+            groups.setdefault(row.unit, []).append(row)
+        return groups
+
+    def hints(self) -> list[str]:
+        """Plain-language conclusions about the peak."""
+        peak = self.peak
+        created = max(1, peak.peak_bytes - peak.param_bytes)
+        out = []
+        if peak.kept_bytes < 0.25 * created:
+            out.append(
+                f"the peak is during the {peak.phase} of {peak.unit}, and only "
+                f"{format_bytes(peak.kept_bytes)} of it is tensors kept for backward: the rest "
+                "is gradients and temporaries, which checkpointing does not remove; a smaller "
+                "batch or sequence (or fewer trainable parameters) lowers it"
+            )
+        elif self.plan is None:
+            out.append(
+                f"checkpointing can free at most {format_bytes(peak.kept_bytes)} at the peak "
+                "(the kept tensors alive there)"
+            )
+        if peak.workspace_bytes >= 0.1 * created:
+            out.append(
+                f"{format_bytes(peak.workspace_bytes)} of the peak is scratch memory that "
+                f"{peak.op.removeprefix('aten.')} allocates inside its kernel (measured at the "
+                "allocator); checkpointing does not shrink it, smaller inputs to that op do"
+            )
+        for u in self.units:
+            if u.calls > 1:
+                out.append(
+                    f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
+                    f"checkpoints it and keeps all it saves ({format_bytes(u.kept_bytes)}); "
+                    "to checkpoint it, wrap its calls in gradckpt.checkpoint yourself"
+                )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "gradckpt.Explanation",
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "rows": [
+                {**asdict(r), "shape": None if r.shape is None else list(r.shape)}
+                for r in self.rows
+            ],
+            "units": [asdict(u) for u in self.units],
+            "totals": {
+                "kept_bytes": self.kept_bytes,
+                "recomputed_bytes": self.recomputed_bytes,
+                "saved_storages": len(self.rows),
+                "pre_existing_saved": self.pre_existing_saved,
+            },
+            "peak": asdict(self.peak),
+            "plain_peak_bytes": self.plain_peak_bytes,
+            "hints": self.hints(),
+        }
+
+    def table(self) -> str:
+        """Rows grouped by unit, then totals and the peak, as plain text."""
+        lines = []
+        head = f"  {'op':<30} {'shape':<20} {'dtype':<9} {'bytes':>12}  {'status':<12} why"
+        for unit, rows in self.by_unit().items():
+            kept = sum(r.nbytes for r in rows if r.kept)
+            block = " (block)" if rows[0].is_block else ""
+            lines.append(f"{unit}{block}: keeps {format_bytes(kept)}")
+            lines.append(head)
+            for r in rows:
+                shape = format_shape(r.shape)
+                lines.append(
+                    f"  {r.op.removeprefix('aten.'):<30} {shape:<20} {r.dtype:<9} "
+                    f"{format_bytes(r.nbytes):>12}  {r.status:<12} {r.why}"
+                )
+        lines += [
+            "",
+            f"bytes kept for backward: {format_bytes(self.kept_bytes)} "
+            f"({sum(r.kept for r in self.rows)} storages)",
+            f"bytes recomputed in backward: {format_bytes(self.recomputed_bytes)} "
+            f"({sum(not r.kept for r in self.rows)} storages)",
+            f"saved parameters and inputs (not counted, they exist anyway): "
+            f"{self.pre_existing_saved}",
+            self.peak.describe(),
+            *(f"note: {h}" for h in self.hints()),
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_shape(shape: tuple[int, ...] | None) -> str:
+    """'4x64x64', 'scalar' for (), '?' when unknown."""
+    if shape is None:
+        return "?"
+    return "x".join(map(str, shape)) or "scalar"
+
+
+# --------------------------------------------------------------------------- main API
+
+
+def explain(prof: Profile, plan: Plan | None = None) -> Explanation:
+    """Every storage the step of ``prof`` keeps for backward under ``plan``, why, the
+    totals and the peak (``plan=None``: the plain step).
+
+    For a model, or a plan made for a budget first, call :func:`gradckpt.explain`
+    (or :meth:`gradckpt.planning.planner.Planner.explain`).
+
+    Returns:
+        An :class:`Explanation`: ``rows``, ``units``, ``kept_bytes``, ``recomputed_bytes``,
+        ``peak``; ``table()`` and ``to_json()``.
+
+    Example:
+        >>> print(explain(prof, plan).table())
+    """
+    if not isinstance(prof, Profile):
+        raise TypeError(
+            f"explain takes a Profile, got {type(prof).__name__}; for a model call "
+            "gradckpt.explain(model, loss_fn)"
+        )
+    return _explain(prof, plan)
+
+
+# --------------------------------------------------------------------------- implementation
+
+
+def _plain(prof: Profile) -> Plan:
+    return Plan(tuple(UnitChoice(u.path) for u in prof.units if u.plannable), prof.fingerprint)
+
+
+def _label(region: Region, prof: Profile) -> str:
+    paths = [prof.units[i].path for i in region.units]
+    if len(paths) == 1:
+        return f"region {paths[0]}"
+    return f"segment {paths[0]}..{paths[-1]}"
+
+
+def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
+    out = {}
+    for u in prof.units:
+        out[u.path] = "keep" if u.plannable else f"keep (called {u.calls}x, not plannable)"
+    if plan is None:
+        return out
+
+    def visit(items: tuple, segment: str) -> None:
+        for item in items:
+            if isinstance(item, Segment):
+                inner = f"segment {item.paths[0]}..{item.paths[-1]}"
+                visit(item.items, segment or inner)
+                continue
+            mode = item.mode
+            if mode == "selective":
+                mode = f"selective (keeps {len(item.save)} op output{'s' * (len(item.save) != 1)})"
+            out[item.path] = f"in {segment}, {mode} there" if segment else mode
+
+    visit(plan.items, "")
+    return out
+
+
+def _explain(prof: Profile, plan: Plan | None) -> Explanation:
+    regions = regions_of(prof, plan) if plan is not None else []
+    top_of_unit = {u: r for r in regions for u in r.units}
+    input_of: dict[int, Region] = {}
+    kept_output_of: dict[int, tuple[Region, int]] = {}
+    for region in regions:
+        for sid in region.inputs:
+            input_of.setdefault(sid, region)
+        for op in region.save:
+            for sid in prof.ops[op].outputs:
+                kept_output_of.setdefault(sid, (region, op))
+    packs_of: dict[int, list[int]] = {}
+    pre_existing = 0
+    for pack in prof.packs:
+        if pack.storage < 0:
+            pre_existing += 1
+        else:
+            packs_of.setdefault(pack.storage, []).append(pack.id)
+
+    def path(unit: int) -> str:
+        return prof.units[unit].path if unit >= 0 else OUTSIDE
+
+    rows: list[tuple[int, SavedStorage]] = []
+    for sid in sorted(set(packs_of) | set(input_of) | set(kept_output_of)):
+        storage = prof.storages[sid]
+        packs = [prof.packs[i] for i in packs_of.get(sid, ())]
+        plain = [p for p in packs if p.unit not in top_of_unit]
+        if plain:
+            unit = plain[0].unit
+            status = "kept"
+            if unit < 0:
+                why = "saved outside every unit (the loss or glue code): kept"
+            elif not prof.units[unit].plannable:
+                why = f"{path(unit)} runs {prof.units[unit].calls} times: kept (not plannable)"
+            else:
+                why = f"{path(unit)} runs plainly: kept"
+        elif sid in input_of:
+            region = input_of[sid]
+            unit, status = region.units[0], "region input"
+            why = f"input of checkpointed {_label(region, prof)}: kept until its backward"
+        elif sid in kept_output_of:
+            region, op = kept_output_of[sid]
+            unit, status = prof.ops[op].unit, "selective"
+            why = f"output kept by the selective policy of {_label(region, prof)}"
+        else:
+            unit, status = packs[0].unit, "recomputed"
+            why = f"inside checkpointed {_label(top_of_unit[unit], prof)}: recomputed"
+        first = packs[0] if packs else None
+        shape = first.shape if first else _input_shape(prof, sid)
+        producer = prof.ops[storage.producer] if storage.producer < len(prof.ops) else None
+        row = SavedStorage(
+            unit=path(unit), is_block=unit >= 0 and prof.units[unit].is_block,
+            op=producer.name if producer else "?", shape=shape,
+            dtype=first.dtype if first else "", nbytes=storage.nbytes, status=status, why=why,
+            storage=sid, saved_by=len(packs),
+        )  # fmt: skip
+        order = min((p.position for p in packs), default=storage.alloc)
+        rows.append((order, row))
+    rows.sort(key=lambda r: r[0])
+    ordered = tuple(r for _, r in rows)
+    kept = sum(r.nbytes for r in ordered if r.kept)
+    recomputed = sum(r.nbytes for r in ordered if not r.kept)
+    pred = simulate(prof, plan if plan is not None else _plain(prof))
+    units = _unit_costs(prof, plan, pred, ordered)
+    return Explanation(
+        rows=ordered, units=units, kept_bytes=kept, recomputed_bytes=recomputed,
+        pre_existing_saved=pre_existing, peak=_peak(prof, pred, regions, ordered),
+        plain_peak_bytes=prof.measured_peak_bytes, plan=plan,
+    )  # fmt: skip
+
+
+def _input_shape(prof: Profile, sid: int) -> tuple[int, ...] | None:
+    shapes = dict(prof.input_shapes)
+    for u in prof.units:
+        if u.chain_input == sid and u.path in shapes:
+            return tuple(shapes[u.path])
+    return None
+
+
+def _unit_costs(
+    prof: Profile, plan: Plan | None, pred: Prediction, rows: tuple[SavedStorage, ...]
+) -> tuple[UnitCost, ...]:
+    decisions = _decisions(prof, plan)
+    times = pred.recompute_by_unit
+    kept: dict[str, int] = {}
+    recomputed: dict[str, int] = {}
+    for r in rows:
+        table = kept if r.kept else recomputed
+        table[r.unit] = table.get(r.unit, 0) + r.nbytes
+    out = [
+        UnitCost(u.path, u.is_block, decisions[u.path], kept.get(u.path, 0),
+                 recomputed.get(u.path, 0), times.get(u.index, 0.0), u.calls)
+        for u in prof.units
+    ]  # fmt: skip
+    if OUTSIDE in kept or OUTSIDE in recomputed or -1 in times:
+        out.append(UnitCost(OUTSIDE, False, "keep (not a unit)", kept.get(OUTSIDE, 0),
+                            recomputed.get(OUTSIDE, 0), times.get(-1, 0.0)))  # fmt: skip
+    return tuple(out)
+
+
+def _kept_until(prof: Profile, regions: list[Region], rows: tuple[SavedStorage, ...]) -> dict:
+    """Free position of every kept storage under the plan (the simulator's rule)."""
+    top_of_unit = {u: r for r in regions for u in r.units}
+    held: dict[int, int] = {}
+    for region in regions:
+        releases = [prof.packs[i].release for i in region.packs]
+        death = max(releases) if releases else prof.ops[region.end_op - 1].position + 1
+        for sid in [*region.inputs, *(s for op in region.save for s in prof.ops[op].outputs)]:
+            held[sid] = max(held.get(sid, 0), death)
+    packs_of: dict[int, list[int]] = {}
+    for p in prof.packs:
+        if p.unit not in top_of_unit:
+            packs_of.setdefault(p.storage, []).append(p.release)
+    out = {}
+    for r in rows:
+        if not r.kept:
+            continue
+        s = prof.storages[r.storage]
+        if s.producer >= prof.forward_ops:
+            out[r.storage] = s.free
+            continue
+        free = s.natural_free if s.natural_free != NEVER else s.free
+        free = max([free, *packs_of.get(r.storage, ())])
+        out[r.storage] = max(free, held.get(r.storage, 0))
+    return out
+
+
+def _peak(
+    prof: Profile, pred: Prediction, regions: list[Region], rows: tuple[SavedStorage, ...]
+) -> PeakInfo:
+    where = pred.peak_position
+    op = next((o for o in prof.ops if o.position >= where), prof.ops[-1])
+    workspace = pred.peak_workspace_bytes
+    if workspace:  # the op whose kernel workspace is part of the peak (maybe a recompute)
+        op = prof.ops[pred.peak_workspace_op]
+    until = _kept_until(prof, regions, rows)
+    kept = sum(
+        prof.storages[sid].nbytes
+        for sid, free in until.items()
+        if prof.storages[sid].alloc <= where < free
+    )
+    created = max(0, pred.peak_bytes - prof.param_bytes)
+    kept = min(kept, created - workspace)
+    return PeakInfo(
+        peak_bytes=pred.peak_bytes, param_bytes=prof.param_bytes, kept_bytes=kept,
+        other_bytes=created - kept - workspace, phase="backward" if op.backward else "forward",
+        unit=prof.units[op.unit].path if op.unit >= 0 else OUTSIDE, op=op.name,
+        workspace_bytes=workspace,
+    )  # fmt: skip

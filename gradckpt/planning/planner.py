@@ -1,0 +1,159 @@
+"""``Planner``: one profile's chain and dynamic program, built once, asked many questions.
+
+Every planning question about one profile (the plan for a budget, the least
+reachable peak, the memory-time frontier, an explanation) reads the same chain
+model and DP tables. They take most of the planning time, so the API, the CLI,
+the benchmarks and the distributed integration all hold one ``Planner`` per
+profile instead of rebuilding them per question; both are built on first use.
+
+Example:
+    >>> planner = Planner(gradckpt.profile(model, loss_fn))
+    >>> plan = planner.plan("3GiB")
+    >>> least_plan, least_pred = planner.least_peak()
+    >>> [(p.peak_bytes, p.overhead) for p in planner.frontier(points=8)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.chain import ChainModel, build_chain
+from gradckpt.planning.costs import with_engine_costs
+from gradckpt.planning.dp import ChainDP
+from gradckpt.planning.explain import Explanation, explain
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.simulate import Prediction
+from gradckpt.planning.solvers import (
+    Solver,
+    check_plannable,
+    finish,
+    least_peak_plan,
+    none_plan,
+    schedule_plan,
+    solve,
+    without_segments,
+)
+from gradckpt.profiling.records import Profile
+
+__all__ = ["FrontierPoint", "Planner"]
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One Pareto-optimal plan: its predicted peak and overhead."""
+
+    peak_bytes: int
+    overhead: float
+    plan: Plan
+
+
+class Planner:
+    """Plans for one profile; the chain and the DP are built once, on first use.
+
+    Args:
+        profile: the measured (or fake) step, from :func:`gradckpt.profile`.
+        segments: allow regions spanning several units (False for FSDP: its
+            units' parameters are sharded when a segment would recompute them).
+
+    Example:
+        >>> planner = Planner(prof, segments=False)
+        >>> planner.plan(0.5, solver="every_kth").solver
+        'every_kth(k=2)'
+    """
+
+    def __init__(self, profile: Profile, *, segments: bool = True) -> None:
+        if not isinstance(profile, Profile):
+            raise TypeError(
+                "Planner takes a Profile made by gradckpt.profile(model, loss_fn), got "
+                f"{type(profile).__name__}"
+            )
+        self.profile = profile
+        self.segments = segments
+        self._least: tuple[Plan, Prediction] | None = None
+
+    @cached_property
+    def chain(self) -> ChainModel:
+        """The chain model of the profile (engine costs included), built on first use."""
+        model = with_engine_costs(build_chain(self.profile), self.profile)
+        return model if self.segments else without_segments(model)
+
+    @cached_property
+    def dp(self) -> ChainDP:
+        """The dynamic program over :attr:`chain`, built on first use."""
+        return ChainDP(self.chain.chain)
+
+    def budget_bytes(self, budget: int | float | str) -> int:
+        """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
+        return parse_budget(budget, self.profile.measured_peak_bytes)
+
+    def plan(self, budget: int | float | str, solver: str | Solver = "dp") -> Plan:
+        """The plan ``solver`` makes for ``budget``, predicted and checked against it.
+
+        Raises:
+            BudgetError: no plan of that solver fits (with the least peak reachable).
+
+        Example:
+            >>> planner.plan("800MB").predicted_peak_bytes <= 800_000_000
+            True
+        """
+        nbytes = self.budget_bytes(budget)
+        check_plannable(self.profile)  # before the chain is built: the error in the user's terms
+        if solver == "dp":
+            return solve(self.profile, nbytes, "dp", segments=self.segments,
+                         model=self.chain, dp=self.dp)  # fmt: skip
+        return solve(self.profile, nbytes, solver, segments=self.segments)
+
+    def least_peak(self) -> tuple[Plan, Prediction]:
+        """The leanest plan reachable and its prediction (``.peak_bytes``: the least peak).
+
+        Example:
+            >>> plan, pred = planner.least_peak()
+        """
+        if self._least is None:
+            self._least = least_peak_plan(self.profile, segments=self.segments)
+        return self._least
+
+    def frontier(self, points: int = 32) -> list[FrontierPoint]:
+        """The memory-time Pareto curve, from the least feasible peak to the plain step.
+
+        ``points`` budgets are spread evenly over the DP's memory range; plans
+        that come out the same, or are beaten on both peak and time, are dropped.
+
+        Example:
+            >>> [f"{p.overhead:+.1%}" for p in planner.frontier(points=4)]
+        """
+        prof = self.profile
+        least = self.dp.least_feasible()
+        candidates = [none_plan(prof)]
+        if least is not None:
+            top = self.chain.chain.capacity
+            steps = max(2, points)
+            for i in range(steps):
+                m = least + round(i * (top - least) / (steps - 1))
+                candidates.append(schedule_plan(prof, self.chain, self.dp, m))
+        seen: dict[tuple, FrontierPoint] = {}
+        for candidate in candidates:
+            if candidate.items in seen:
+                continue
+            done, pred = finish(prof, candidate, None, "dp")
+            seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
+        pareto: list[FrontierPoint] = []
+        for point in sorted(seen.values(), key=lambda p: (p.peak_bytes, p.overhead)):
+            if not pareto or point.overhead < pareto[-1].overhead:
+                pareto.append(point)
+        return pareto
+
+    def explain(
+        self, budget: int | float | str | None = None, plan: Plan | None = None
+    ) -> Explanation:
+        """What the step keeps for backward under ``plan``, or the plan for ``budget``,
+        or (neither) the plain step; see :mod:`gradckpt.planning.explain`.
+
+        Example:
+            >>> print(planner.explain("2GiB").table())
+        """
+        if plan is None and budget is not None:
+            plan = self.plan(budget)
+        return explain(self.profile, plan)

@@ -1,0 +1,323 @@
+"""Plans per input shape: the key of a model call, a set of plans keyed by it, and the
+proof that lets a smaller shape run under a larger shape's plan.
+
+A plan is made for one step at one shape; its predicted peak holds only there.
+:class:`ShapeKey` is what identifies "the same shape" cheaply on every call: the
+shapes and dtypes of the model call's top-level tensor inputs (and which of them
+require grad), plus the names of its keyword arguments. A :class:`PlanSet` maps
+keys to plans made under one budget and saves them as one versioned JSON file;
+single-plan files still load into a one-plan set.
+
+Example:
+    >>> plans = gradckpt.plan(model, loss_fn, "3GiB", shapes=[128, 256, 512])
+    >>> plans.save("plans.json"); plans = gradckpt.PlanSet.load("plans.json")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradckpt._versioned import check_header
+from gradckpt.planning.plan import Plan
+from gradckpt.profiling.records import Profile
+
+__all__ = [
+    "PLANSET_VERSION",
+    "PlanSet",
+    "ShapeKey",
+    "TensorSig",
+    "load_plans",
+    "proves_monotone",
+    "same_event_line",
+    "shape_key",
+]
+
+PLANSET_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """One tensor input: shape, dtype and whether it requires grad."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    grad: bool = False
+
+    def describe(self) -> str:
+        dims = ",".join(str(d) for d in self.shape)
+        return f"({dims}):{self.dtype.removeprefix('torch.')}" + (" grad" if self.grad else "")
+
+
+Sig = TensorSig | None  # None: a non-tensor leaf (its value does not change memory's shape)
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """The shapes of one model call: positional leaves, then keyword leaves by name.
+
+    Example:
+        >>> shape_key((), {"input_ids": torch.zeros(2, 8, dtype=torch.long)}).describe()
+        'input_ids=(2,8):int64'
+    """
+
+    args: tuple[Sig, ...]
+    kwargs: tuple[tuple[str, Sig], ...] = ()
+
+    def describe(self) -> str:
+        parts = [s.describe() if s is not None else "-" for s in self.args]
+        parts += [f"{k}={s.describe() if s is not None else '-'}" for k, s in self.kwargs]
+        return ", ".join(parts) if parts else "(no inputs)"
+
+    def _sigs(self) -> list[Sig]:
+        return [*self.args, *(s for _, s in self.kwargs)]
+
+    def bounded_by(self, other: ShapeKey) -> bool:
+        """Same inputs, dtypes and ranks as ``other``, and no dimension larger."""
+        if len(self.args) != len(other.args) or [k for k, _ in self.kwargs] != [
+            k for k, _ in other.kwargs
+        ]:
+            return False
+        for mine, theirs in zip(self._sigs(), other._sigs()):
+            if (mine is None) != (theirs is None):
+                return False
+            if mine is None or theirs is None:
+                continue
+            if (mine.dtype, mine.grad, len(mine.shape)) != (
+                theirs.dtype,
+                theirs.grad,
+                len(theirs.shape),
+            ):
+                return False
+            if any(a > b for a, b in zip(mine.shape, theirs.shape)):
+                return False
+        return True
+
+    def numel(self) -> int:
+        """Elements over all tensor inputs (orders bounding keys from smallest)."""
+        total = 0
+        for sig in self._sigs():
+            if sig is not None:
+                n = 1
+                for d in sig.shape:
+                    n *= d
+                total += n
+        return total
+
+    def to_json(self) -> dict[str, Any]:
+        def sig(s: Sig) -> Any:
+            return None if s is None else [list(s.shape), s.dtype, s.grad]
+
+        return {
+            "args": [sig(s) for s in self.args],
+            "kwargs": [[k, sig(s)] for k, s in self.kwargs],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShapeKey:
+        def sig(s: Any) -> Sig:
+            return None if s is None else TensorSig(tuple(s[0]), s[1], bool(s[2]))
+
+        return cls(
+            tuple(sig(s) for s in data["args"]), tuple((k, sig(s)) for k, s in data["kwargs"])
+        )
+
+
+def _sig(x: Any) -> Sig:
+    if isinstance(x, torch.Tensor):
+        return TensorSig(tuple(x.shape), str(x.dtype).removeprefix("torch."), x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        # Nested containers are rare at the top level; their tensors still count.
+        inner = [_sig(v) for v in x]
+        tensors = [s for s in inner if s is not None]
+        if not tensors:
+            return None
+        return TensorSig(
+            tuple(d for s in tensors for d in (*s.shape, -1)),
+            "|".join(s.dtype for s in tensors),
+            any(s.grad for s in tensors),
+        )
+    return None
+
+
+def shape_key(args: tuple, kwargs: dict[str, Any]) -> ShapeKey:
+    """The :class:`ShapeKey` of a call ``model(*args, **kwargs)``; microseconds per call.
+
+    Positional arguments count by position (a non-tensor one as "-"); keyword
+    arguments only when they hold tensors.
+
+    Example:
+        >>> shape_key((torch.zeros(4, 3),), {}).describe()
+        '(4,3):float32'
+    """
+    # Keyword arguments count by tensor only, sorted by name: flags such as
+    # use_cache=False that a pre-hook adds to some calls and not others (or the
+    # order a caller writes them in) do not make a new shape.
+    named = sorted((k, _sig(v)) for k, v in kwargs.items())
+    return ShapeKey(tuple(_sig(a) for a in args), tuple((k, s) for k, s in named if s is not None))
+
+
+@dataclass(frozen=True)
+class PlanSet:
+    """Plans for one model under one budget, keyed by the shape of the model call.
+
+    ``entries`` hold ``(key, plan)`` pairs; a key of None marks a plan loaded from a
+    single-plan file, whose call shape was not recorded.
+
+    Example:
+        >>> plans = gradckpt.plan(model, loss_fn, "3GiB", shapes=[128, 512])
+        >>> plans.get(gradckpt.planning.planset.shape_key((), batch)).predicted_peak_bytes
+    """
+
+    entries: tuple[tuple[ShapeKey | None, Plan], ...]
+    version: int = PLANSET_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError("a plan set holds at least one plan")
+        fingerprints = {plan.fingerprint for _, plan in self.entries}
+        if len(fingerprints) != 1:
+            raise ValueError(
+                f"a plan set is for one model; got fingerprints {sorted(fingerprints)}"
+            )
+        keys = [k for k, _ in self.entries]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a plan set holds one plan per shape; a shape is listed twice")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.entries[0][1].fingerprint
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.entries[0][1].budget_bytes
+
+    @property
+    def plans(self) -> dict[ShapeKey | None, Plan]:
+        return dict(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[ShapeKey | None, Plan]]:
+        return iter(self.entries)
+
+    def get(self, key: ShapeKey) -> Plan | None:
+        """The plan made for exactly ``key``, or None."""
+        return self.plans.get(key)
+
+    def bounding(self, key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
+        """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
+        found = [(k, p) for k, p in self.entries if k is not None and key.bounded_by(k)]
+        return min(found, key=lambda kp: kp[0].numel()) if found else None  # fewest elements
+
+    def summary(self) -> str:
+        """One line per shape: predicted peak against the budget."""
+        from gradckpt.measure.memory import format_bytes
+
+        lines = []
+        for key, plan in self.entries:
+            where = key.describe() if key is not None else "(shape not recorded)"
+            budget = format_bytes(plan.budget_bytes) if plan.budget_bytes else "-"
+            lines.append(
+                f"{where}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+                f"(budget {budget}), overhead {plan.predicted_overhead:+.1%}"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "gradckpt.PlanSet",
+            "version": self.version,
+            "entries": [
+                {"shape": k.to_json() if k is not None else None, "plan": p.to_json()}
+                for k, p in self.entries
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanSet:
+        """A set from its JSON; a single plan's JSON becomes a one-plan set (key None)."""
+        if data.get("kind") == "gradckpt.Plan":
+            return cls(((None, Plan.from_json(data)),))
+        check_header(data, "gradckpt.PlanSet", PLANSET_VERSION, "plan the model again")
+        return cls(
+            tuple(
+                (
+                    ShapeKey.from_json(e["shape"]) if e["shape"] is not None else None,
+                    Plan.from_json(e["plan"]),
+                )
+                for e in data["entries"]
+            )
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the set as JSON."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> PlanSet:
+        """Read a set written by :meth:`save`, or a single plan written by ``Plan.save``."""
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def load_plans(path: str | Path) -> Plan | PlanSet:
+    """Whatever plan file ``path`` holds: a :class:`Plan` or a :class:`PlanSet`.
+
+    Example:
+        >>> gradckpt.apply(model, load_plans("plans.json"))
+    """
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") == "gradckpt.PlanSet":
+        return PlanSet.from_json(data)
+    return Plan.from_json(data)
+
+
+def same_event_line(a: Profile, b: Profile) -> bool:
+    """True when two profiles differ at most in sizes: bytes, FLOPs, times, shapes.
+
+    Same ops in the same order (names, units, positions, outputs), same storages
+    made and freed at the same positions, same tensors saved, unpacked and
+    released at the same positions, same units.
+    """
+    if (a.forward_ops, a.end, a.param_bytes) != (b.forward_ops, b.end, b.param_bytes):
+        return False
+    shape = {  # the fields of each record kind that make up the event line
+        "ops": attrgetter("name", "backward", "unit", "local", "outputs", "position"),
+        "storages": attrgetter("producer", "alloc", "free", "natural_free", "mutated"),
+        "packs": attrgetter("storage", "unit", "ops_done", "position", "unpack", "release"),
+        "units": attrgetter(
+            "path", "first_op", "end_op", "chain_input", "output", "chained", "calls"
+        ),
+    }
+    for kind, fields in shape.items():
+        xs, ys = getattr(a, kind), getattr(b, kind)
+        if len(xs) != len(ys) or any(fields(x) != fields(y) for x, y in zip(xs, ys)):
+            return False
+    return True
+
+
+def proves_monotone(small: Profile, large: Profile) -> bool:
+    """True when any plan's peak on ``small`` is at most its peak on ``large``.
+
+    The simulator predicts a plan's peak from the event line (which storages are
+    made, saved, unpacked and freed, in what order) and each storage's bytes. If
+    the two steps have the same event line and every storage of ``small`` is no
+    larger than its counterpart in ``large``, then at every position of every
+    plan's line the live bytes on ``small`` are at most those on ``large``, so
+    the peak is too. Tests use this to show that a model family may run a
+    shorter sequence under a longer one's plan.
+
+    Example:
+        >>> proves_monotone(gradckpt.profile(m, at_128, fake=True), gradckpt.profile(m, at_512, fake=True))
+        True
+    """
+    return same_event_line(small, large) and all(
+        s.nbytes <= t.nbytes for s, t in zip(small.storages, large.storages)
+    )

@@ -1,0 +1,401 @@
+"""Solvers: ``(profile, budget_bytes) -> Plan``, all judged by the same simulator.
+
+``dp`` is the reference (the chain dynamic program of :mod:`gradckpt.planning.dp`).
+The baselines are the schemes frameworks make users pick by hand: ``none``,
+``every_block``, ``every_kth`` (the largest k that fits), ``sqrt`` (Chen et
+al.'s sqrt(N) segments) and ``save_matmuls`` (selective checkpointing of every
+block). Each returns a plan with its predictions filled in, or raises
+:class:`BudgetError` when its scheme does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.chain import _MATMUL_NAMES, ChainModel, build_chain
+from gradckpt.planning.costs import with_engine_costs
+from gradckpt.planning.dp import ChainDP, Tree
+from gradckpt.planning.plan import Item, Plan, Segment, UnitChoice
+from gradckpt.planning.polish import polish, repair
+from gradckpt.planning.simulate import Prediction, simulate
+from gradckpt.profiling.fake import SPEEDS, estimate_time
+from gradckpt.profiling.records import Profile, UnitRecord
+
+__all__ = [
+    "SOLVERS",
+    "Solver",
+    "check_plannable",
+    "finish",
+    "least_peak_plan",
+    "schedule_plan",
+    "solve",
+    "solve_dp",
+    "without_segments",
+]
+
+Solver = Callable[[Profile, int], Plan]
+# Budgets (as shares off the real one) at which the DP is asked, largest first:
+# its model is exact for uniform plans only, so its answer slightly above the
+# budget may still fit on the simulator, and one slightly below may be needed.
+_RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+
+def finish(
+    profile: Profile, plan: Plan, budget: int | None, solver: str, pred: Prediction | None = None
+) -> tuple[Plan, Prediction]:
+    """Fill in a plan's predictions from the simulator (``pred``: already simulated)."""
+    pred = pred or simulate(profile, plan)
+    return (
+        replace(
+            plan,
+            budget_bytes=budget,
+            predicted_peak_bytes=pred.peak_bytes,
+            baseline_peak_bytes=profile.measured_peak_bytes,
+            predicted_step_time=pred.step_time,
+            baseline_step_time=profile.step_time,
+            predicted_recompute_flops=pred.recompute_flops,
+            solver=solver,
+            input_shapes=profile.input_shapes,
+            not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
+            peak_level=profile.peak_level,
+        ),
+        pred,
+    )
+
+
+def _plannable(profile: Profile) -> tuple[UnitRecord, ...]:
+    return tuple(u for u in profile.units if u.plannable)
+
+
+def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
+    items: list[Item] = []
+    for node in tree:
+        if node[0] == "unit":
+            _, stage, option = node
+            items.append(model.options[stage][option].choice(model.units[stage].path))
+        else:
+            items.append(Segment(_items(model, node[1])))
+    return tuple(items)
+
+
+def schedule_plan(profile: Profile, model: ChainModel, dp: ChainDP, m: int) -> Plan:
+    """The plan the DP schedules with ``m`` grid units of memory (no predictions yet).
+
+    Example:
+        >>> schedule_plan(prof, model, dp, dp.least_feasible())
+    """
+    return Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+
+
+def _where(profile: Profile, position: int) -> str:
+    ops = profile.ops
+    index = next((op.index for op in ops if op.position >= position), len(ops) - 1)
+    op = ops[min(index, len(ops) - 1)]
+    phase = "backward" if op.backward else "forward"
+    unit = profile.units[op.unit].path if op.unit >= 0 else "code outside the planned units"
+    return f"the {phase} of {unit}"
+
+
+def least_peak_plan(
+    profile: Profile,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
+    *,
+    segments: bool = True,
+) -> tuple[Plan, Prediction]:
+    """The leanest plan the solver reaches, with predictions (its ``peak_bytes`` is the least peak).
+
+    The least of: the DP's plan at its least feasible budget, pushed lower by the
+    simulator-checked repair moves (the DP's model is exact only for the plans it
+    is calibrated on); the plain plan; and the baselines' plans. So it is never
+    above the plain peak or a hand-placed scheme's. Op times do not enter (the
+    search runs on times estimated from FLOPs and bytes): profiles of one step
+    taken on a busy machine all give the same least peak. ``model`` and ``dp``
+    are read only for whether segments are allowed (``without_segments``).
+
+    Example:
+        >>> plan, pred = least_peak_plan(prof)
+        >>> pred.peak_bytes  # no budget below this is reachable
+    """
+    if model is not None and not any(st.joins_previous for st in model.chain.stages):
+        segments = False
+    steady = _timeless(profile)
+    chain = build_chain(steady)
+    if not segments:
+        chain = without_segments(chain)
+    candidates = [none_plan(profile), every_kth_plan(profile, 1), save_matmuls_plan(profile)]
+    if segments:
+        candidates.append(sqrt_plan(profile))
+    least_dp = ChainDP(chain.chain)
+    m = least_dp.least_feasible()
+    if m is not None:
+        plan = Plan(_items(chain, least_dp.schedule(m)), profile.fingerprint)
+        candidates.insert(0, repair(steady, plan, 0, chain)[0])
+    predicted = [(simulate(profile, plan), plan) for plan in candidates]
+    pred, best = min(predicted, key=lambda pair: pair[0].peak_bytes)  # the first on ties
+    return finish(profile, best, None, "dp", pred)
+
+
+def _timeless(profile: Profile) -> Profile:
+    """``profile`` with each op's time replaced by one estimated from its FLOPs and bytes."""
+    speed = SPEEDS.get(profile.device, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(
+                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+            ),
+        )
+        for op in profile.ops
+    )
+    return replace(profile, ops=ops)
+
+
+def _polished(
+    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel
+) -> Plan:
+    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled in."""
+    polished, polished_pred = polish(profile, plan, budget, model, pred)
+    return finish(profile, polished, budget, "dp", polished_pred)[0]
+
+
+def without_segments(model: ChainModel) -> ChainModel:
+    """The chain with no stage joinable to the one before: the DP then makes no segments.
+
+    A segment recomputes all its units during its last unit's backward; under
+    FSDP the other units' parameters are sharded then, so distributed plans
+    must not contain segments.
+    """
+    stages = tuple(replace(st, joins_previous=False) for st in model.chain.stages)
+    return replace(model, chain=replace(model.chain, stages=stages))
+
+
+def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
+             dp: ChainDP | None = None, segments: bool = True) -> Plan:  # fmt: skip
+    """The least-recompute plan whose simulated peak fits ``budget`` bytes.
+
+    ``segments=False``: only single-unit regions (no segments), e.g. for FSDP.
+
+    Example:
+        >>> plan = solve_dp(prof, 600 << 20)
+    """
+    model = model or with_engine_costs(build_chain(profile), profile)
+    if not segments and any(st.joins_previous for st in model.chain.stages):
+        model = without_segments(model)
+        dp = None
+    dp = dp or ChainDP(model.chain)
+    top = model.to_units(budget)
+    least = dp.least_feasible()
+    tried: set[tuple] = set()
+    lowest: Plan | None = None
+    if least is not None and top >= 0:
+        capacity = model.chain.capacity
+        for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
+            m = min(max(m, least), capacity)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+            if plan.items in tried:
+                continue
+            tried.add(plan.items)
+            before, lowest = lowest, plan
+            # In this order, not by bisection: at the edge of feasibility the peak is not
+            # monotone in the DP's budget, and the first plan that fits is the one wanted.
+            pred = simulate(profile, plan)
+            if pred.peak_bytes <= budget:
+                if m == least and before is not None:
+                    # The DP's leanest plan buys its last bytes dearly (segments in
+                    # segments); the plan before it, repaired, may fit for less time.
+                    repaired, fixed = repair(profile, before, budget, model)
+                    if fixed.peak_bytes <= budget and fixed.step_time < pred.step_time:
+                        plan, pred = repaired, fixed
+                return _polished(profile, plan, pred, budget, model)
+    # The DP's model is a little off for this plan shape: repair its plans on the simulator.
+    if lowest is not None:
+        repaired, pred = repair(profile, lowest, budget, model)
+        if pred.peak_bytes <= budget:
+            return _polished(profile, repaired, pred, budget, model)
+    leanest, pred = least_peak_plan(profile, segments=segments)
+    if pred.peak_bytes <= budget:
+        return _polished(profile, leanest, pred, budget, model)
+    raise BudgetError(
+        f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
+        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
+        f"are {format_bytes(profile.param_bytes)} and the rest (activations, gradients and "
+        f"temporaries) peaks during {_where(profile, pred.peak_position)}. Raise the budget, "
+        "or shrink the batch or sequence length.",
+        least_peak_bytes=pred.peak_bytes,
+    )
+
+
+def _written(nbytes: int) -> str:
+    """``nbytes`` for a message: rounded up (so it works as a budget), and exact."""
+    return f"{format_bytes(nbytes, round_up=True)} ({nbytes} bytes)"
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def _uniform(profile: Profile, choose: Callable[[UnitRecord, int], UnitChoice]) -> Plan:
+    blocks = [u for u in _plannable(profile) if u.is_block]
+    order = {u.index: i for i, u in enumerate(blocks)}
+    items = tuple(
+        choose(u, order[u.index]) if u.is_block else UnitChoice(u.path) for u in _plannable(profile)
+    )
+    return Plan(items, profile.fingerprint)
+
+
+def _fit(profile: Profile, plan: Plan, budget: int, name: str) -> Plan:
+    plan, pred = finish(profile, plan, budget, name)
+    if pred.peak_bytes > budget:
+        raise BudgetError(
+            f"the {name} scheme peaks at {format_bytes(pred.peak_bytes)}, over the budget of "
+            f"{format_bytes(budget)}",
+            least_peak_bytes=pred.peak_bytes,
+        )
+    return plan
+
+
+def none_plan(profile: Profile) -> Plan:
+    return Plan(tuple(UnitChoice(u.path) for u in _plannable(profile)), profile.fingerprint)
+
+
+def every_kth_plan(profile: Profile, k: int) -> Plan:
+    return _uniform(profile, lambda u, i: UnitChoice(u.path, "recompute" if i % k == 0 else "keep"))
+
+
+def save_matmuls_plan(profile: Profile) -> Plan:
+    def choose(u: UnitRecord, i: int) -> UnitChoice:
+        ops = [
+            op for op in profile.unit_ops(u)
+            if op.name in _MATMUL_NAMES and op.outputs
+            and not any(profile.storages[s].mutated for s in op.outputs)
+        ]  # fmt: skip
+        if not ops:
+            return UnitChoice(u.path, "recompute")
+        return UnitChoice(
+            u.path, "selective", tuple(op.local for op in ops), tuple(op.name for op in ops)
+        )
+
+    return _uniform(profile, choose)
+
+
+def sqrt_plan(profile: Profile) -> Plan:
+    """Chen et al.: segments of about sqrt(N) chained blocks that keep only their input."""
+    units = _plannable(profile)
+    blocks = [u for u in units if u.is_block]
+    size = max(2, round(math.sqrt(len(blocks))))
+    items: list[Item] = []
+    run: list[UnitRecord] = []
+
+    def flush() -> None:
+        while run:
+            part, run[:] = run[:size], run[size:]
+            if len(part) >= 2:
+                items.append(Segment(tuple(UnitChoice(u.path) for u in part)))
+            else:
+                items.append(UnitChoice(part[0].path, "recompute"))
+
+    for u in units:
+        joins = run and u.is_block and u.chained and run[-1].index == u.index - 1
+        if u.is_block and (joins or not run):
+            run.append(u)
+            continue
+        flush()
+        if u.is_block:
+            run.append(u)
+        else:
+            items.append(UnitChoice(u.path))
+    flush()
+    return Plan(tuple(items), profile.fingerprint)
+
+
+def _every_kth(profile: Profile, budget: int) -> Plan:
+    blocks = [u for u in _plannable(profile) if u.is_block]
+    for k in range(max(1, len(blocks)), 0, -1):
+        try:
+            return _fit(profile, every_kth_plan(profile, k), budget, f"every_kth(k={k})")
+        except BudgetError:
+            continue
+    raise BudgetError(f"checkpointing every k-th block does not fit {format_bytes(budget)}")
+
+
+SOLVERS: dict[str, Solver] = {
+    "dp": solve_dp,
+    "none": lambda p, b: _fit(p, none_plan(p), b, "none"),
+    "every_block": lambda p, b: _fit(p, every_kth_plan(p, 1), b, "every_block"),
+    "every_kth": _every_kth,
+    "sqrt": lambda p, b: _fit(p, sqrt_plan(p), b, "sqrt"),
+    "save_matmuls": lambda p, b: _fit(p, save_matmuls_plan(p), b, "save_matmuls"),
+}
+
+
+def check_plannable(profile: Profile) -> None:
+    """Raise a ValueError saying what to do if ``profile`` has no unit a plan could change.
+
+    Example:
+        >>> check_plannable(prof)
+    """
+    if not _plannable(profile):
+        raise ValueError(
+            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
+            "step with ops of its own (units are the model's children and its repeated "
+            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
+            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
+            "submodules."
+        )
+
+
+def solve(
+    profile: Profile,
+    budget: int,
+    solver: str | Solver = "dp",
+    *,
+    segments: bool = True,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
+) -> Plan:
+    """Run a solver by name (see ``SOLVERS``) or a solver callable.
+
+    Every solver's plan, built-in or custom, leaves through the same door: its
+    predictions come from the simulator (a custom solver's claims are not
+    trusted) and its predicted peak is checked against ``budget``.
+    ``segments=False`` forbids multi-unit regions: the DP does not make them,
+    and a baseline that does (``sqrt``) is refused. ``model`` and ``dp``: the
+    DP's chain and tables already built (:class:`gradckpt.planning.planner.Planner`).
+
+    Example:
+        >>> solve(prof, 600 << 20, "sqrt").solver
+        'sqrt'
+    """
+    check_plannable(profile)
+    if callable(solver):
+        name = getattr(solver, "__name__", "custom")
+        chosen = solver(profile, budget)
+        if not isinstance(chosen, Plan):
+            raise TypeError(
+                f"the {name} solver returned {type(chosen).__name__}, not a gradckpt Plan; "
+                "a solver takes (profile, budget_bytes) and returns a Plan"
+            )
+        chosen = finish(profile, chosen, budget, name)[0]  # whatever it claimed is replaced
+    elif solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    elif solver == "dp":
+        chosen = solve_dp(profile, budget, model=model, dp=dp, segments=segments)
+    else:
+        chosen = SOLVERS[solver](profile, budget)
+    name = solver if isinstance(solver, str) else chosen.solver
+    if chosen.predicted_peak_bytes > budget:
+        raise BudgetError(
+            f"the {name} scheme peaks at {format_bytes(chosen.predicted_peak_bytes)}, over the "
+            f"budget of {format_bytes(budget)}",
+            least_peak_bytes=chosen.predicted_peak_bytes,
+        )
+    if not segments and any(isinstance(item, Segment) for item in chosen.items):
+        raise ValueError(
+            f"the {name} solver made a plan with segments, which segments=False forbids "
+            "(segments cannot run under FSDP); use solver='dp' or a per-block baseline"
+        )
+    return chosen

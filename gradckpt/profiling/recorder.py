@@ -1,0 +1,290 @@
+"""Record one training step at the dispatch level.
+
+A :class:`StepRecorder` sees every ATen op (forward and backward, with its wall
+time, FLOPs and the storages it creates), every tensor autograd saves (and when
+backward unpacks and releases it), every storage free, and every call of a
+unit's forward. Run with ``keep_saved=False`` it drops saved tensors on the
+spot: that forward-only pass shows when each storage would die if nothing were
+kept, which is what a checkpointed region does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from gradckpt.engine.modes import counts_as_op, written_args
+from gradckpt.measure.allocator import close_mark, open_mark
+from gradckpt.measure.storages import StorageWatcher, storage_key
+from gradckpt.measure.timing import work_clock
+from gradckpt.profiling.records import NEVER
+from gradckpt.profiling.units import Unit
+
+__all__ = ["StepRecorder", "UnitCall"]
+
+
+@dataclass
+class UnitCall:
+    unit: int
+    first_op: int
+    end_op: int = -1
+    inputs: tuple[int, ...] = ()
+    chain_input: int = -1
+    chain_arg: int = -1
+    chain_output: int = -1
+    output: int = -1
+    chained: bool = False
+    input_shape: tuple[int, ...] = ()
+    seq: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    producer: int
+    alloc: int
+    free: int = NEVER
+    free_ops_done: int = -1  # forward ops completed when freed (-1: not freed in forward)
+    mutated: bool = False
+
+
+@dataclass
+class _Pack:
+    storage: int
+    unit: int
+    ops_done: int
+    position: int
+    shape: tuple[int, ...]
+    dtype: str
+    unpack: int = NEVER
+    release: int = NEVER
+
+
+class _Saved:
+    """What autograd holds for a saved tensor while recording; notes its release."""
+
+    __slots__ = ("pack", "recorder", "tensor")
+
+    def __init__(self, recorder: StepRecorder, pack: int, tensor: torch.Tensor | None) -> None:
+        self.recorder = recorder
+        self.pack = pack
+        self.tensor = tensor
+
+    def __del__(self) -> None:
+        self.recorder._released(self.pack)
+
+
+def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not accept this overload's arguments
+        return 0
+
+
+@dataclass
+class StepRecorder:
+    """Collects ops, storages, saved tensors and unit calls of one step."""
+
+    units: list[Unit]
+    keep_saved: bool = True
+    time_ops: bool = True
+    ops: list[tuple] = field(default_factory=list)
+    storages: list[_Storage] = field(default_factory=list)
+    packs: list[_Pack] = field(default_factory=list)
+    calls: list[UnitCall] = field(default_factory=list)
+    forward: bool = True
+    forward_ops: int = 0
+    position: int = 0
+    active: bool = False
+    #: Per-op workspace bytes and the step's allocator peak, when the pass measured them.
+    workspaces: list[int] | None = None
+    allocator_peak: int | None = None
+
+    def __post_init__(self) -> None:
+        self.watcher = StorageWatcher(on_alloc=self._alloc, on_free=self._free)
+        self._live: dict[int, int] = {}
+        self._new: list[int] = []
+        self._stack: list[UnitCall] = []
+        self._last_output: weakref.ref | None = None
+        self._last_end = -1
+        self._seq_starts: list[int] = []
+        self._seq_calls: list[UnitCall] = []
+
+    # --------------------------------------------------------------- positions
+
+    def _next(self) -> int:
+        self.position += 2
+        return self.position
+
+    def sid_of(self, t: torch.Tensor) -> int:
+        try:
+            return self._live.get(storage_key(t), -1)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return -1
+
+    def _alloc(self, key: int, nbytes: int) -> None:
+        sid = len(self.storages)
+        self._live[key] = sid
+        self.storages.append(_Storage(nbytes, len(self.ops), self.position))
+        self._new.append(sid)
+
+    def _free(self, key: int) -> None:
+        sid = self._live.pop(key, None)
+        if sid is None:
+            return
+        record = self.storages[sid]
+        record.free = self._next() if self.active else NEVER
+        if self.forward and self.active:
+            record.free_ops_done = self.forward_ops
+
+    # --------------------------------------------------------------------- ops
+
+    def record_op(self, func: Any, args: Any, kwargs: Any, out: Any, elapsed: float) -> None:
+        index = len(self.ops)
+        position = self._next()
+        if self.forward:
+            call = self._stack[-1] if self._stack else None
+            unit = call.unit if call is not None else -1
+            local = index - call.first_op if call is not None else -1
+            self.forward_ops += 1
+        else:
+            unit, local = self._backward_unit(), -1
+        self._new = []
+        self.watcher.observe(func, out)
+        if self.forward:
+            self._note_writes(func, args, kwargs, index)
+        self.ops.append(
+            (index, str(func), not self.forward, unit, local, elapsed,
+             _flops(func, args, kwargs, out), tuple(self._new), position)
+        )  # fmt: skip
+
+    def _note_writes(self, func: Any, args: Any, kwargs: Any, index: int) -> None:
+        positions, names = written_args(func)
+        targets = [args[i] for i in positions if i < len(args)]
+        targets += [kwargs[n] for n in names if n in kwargs]
+        for t in targets:
+            if isinstance(t, torch.Tensor):
+                sid = self.sid_of(t)
+                if sid >= 0 and self.storages[sid].producer != index:
+                    self.storages[sid].mutated = True
+
+    def _backward_unit(self) -> int:
+        node = torch._C._current_autograd_node()
+        if node is None or not self._seq_starts:
+            return -1
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self._seq_starts, seq) - 1
+        if i >= 0:
+            call = self._seq_calls[i]
+            if call.seq[0] <= seq < call.seq[1]:
+                return call.unit
+        return -1
+
+    # ------------------------------------------------------------ saved tensors
+
+    def pack(self, x: torch.Tensor) -> _Saved:
+        call = self._stack[-1] if self._stack and self.forward else None
+        pid = len(self.packs)
+        self.packs.append(
+            _Pack(
+                self.sid_of(x), call.unit if call else -1, self.forward_ops, self._next(),
+                tuple(x.shape), str(x.dtype).removeprefix("torch."),
+            )
+        )  # fmt: skip
+        return _Saved(self, pid, x.detach() if self.keep_saved else None)
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        record = self.packs[saved.pack]
+        if record.unpack == NEVER:
+            record.unpack = self._next()
+        if saved.tensor is None:
+            raise RuntimeError("internal: the forward-only profiling pass cannot run backward")
+        return saved.tensor
+
+    def _released(self, pid: int) -> None:
+        if self.active and pid < len(self.packs) and self.packs[pid].release == NEVER:
+            self.packs[pid].release = self._next()
+
+    # ------------------------------------------------------------------- units
+
+    def enter_unit(self, unit: int, args: tuple, kwargs: dict) -> UnitCall:
+        flat, _ = tree_flatten((args, kwargs))
+        call = UnitCall(unit=unit, first_op=len(self.ops))
+        tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        call.inputs = tuple(s for _, x in tensors if (s := self.sid_of(x)) >= 0)
+        previous = self._last_output() if self._last_output is not None else None
+        for i, x in tensors:
+            if previous is not None and x is previous:
+                call.chain_arg, call.chain_input = i, self.sid_of(x)
+                call.chained = self._last_end == call.first_op
+                break
+        else:
+            if tensors:
+                call.chain_arg, call.chain_input = tensors[0][0], self.sid_of(tensors[0][1])
+        if tensors:  # what apply's shape check compares: the first tensor argument
+            call.input_shape = tuple(tensors[0][1].shape)
+        call.seq = (torch._C._autograd._get_sequence_nr(), 0)
+        self._stack.append(call)
+        return call
+
+    def exit_unit(self, call: UnitCall, out: Any) -> None:
+        self._stack.pop()
+        call.end_op = len(self.ops)
+        call.seq = (call.seq[0], torch._C._autograd._get_sequence_nr())
+        flat, _ = tree_flatten(out)
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                call.chain_output, call.output = i, self.sid_of(x)
+                self._last_output = weakref.ref(x)
+                break
+        else:
+            self._last_output = None
+        self._last_end = call.end_op
+        self.calls.append(call)
+        if call.seq[1] > call.seq[0]:
+            i = bisect.bisect_right(self._seq_starts, call.seq[0])
+            self._seq_starts.insert(i, call.seq[0])
+            self._seq_calls.insert(i, call)
+
+
+class RecordMode(TorchDispatchMode):
+    """Feeds every counted op to a :class:`StepRecorder`, timing the kernel alone.
+
+    With ``mark_ops`` each op runs inside an allocator span numbered by its op
+    index (:func:`gradckpt.measure.allocator.open_mark`), so that a surrounding
+    :class:`~gradckpt.measure.MemoryEvents` tells its workspace; the span opens
+    outside the timed call.
+    """
+
+    def __init__(
+        self, recorder: StepRecorder, device: str = "cpu", *, mark_ops: bool = False
+    ) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
+        self.mark_ops = mark_ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not counts_as_op(func):
+            return func(*args, **kwargs)
+        handle = open_mark(len(self.recorder.ops)) if self.mark_ops else None
+        try:
+            start = self.clock()
+            out = func(*args, **kwargs)
+            elapsed = self.clock() - start
+        finally:
+            if handle is not None:
+                close_mark(handle)
+        self.recorder.record_op(func, args, kwargs, out, elapsed)
+        return out

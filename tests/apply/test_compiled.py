@@ -1,0 +1,177 @@
+"""gradckpt.compile: the plan executed inside one compiled graph (issue 13, item 1).
+
+Gradients are compared with the plain, uncompiled model from the same seed,
+dropout on. aot_eager (no fusion, random draws in eager order) matches within
+1e-5; inductor with ``fallback_random`` (eager's RNG) within 1e-4 (fused
+reductions reorder float sums). That the plan's decisions reach the compiled
+graph is shown by the backward graph's matmul count (recompute adds the
+forward's matmuls to backward; kept units add none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradckpt
+from gradckpt.apply.compiled import compiled_plan, uncompile
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.profiling import find_units, model_fingerprint
+from gradckpt.testing import make
+
+pytest.importorskip("torch._dynamo")
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+GPT = dict(layers=3, d_model=32, heads=2, seq=16, vocab=128, batch=2, dropout=0.1)
+MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _step(ex, seed=1):
+    ex.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = ex.loss_fn()
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
+    ex.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_close(ref, got, atol):
+    (loss0, grads0), (loss1, grads1) = ref, got
+    torch.testing.assert_close(loss1, loss0, atol=atol, rtol=0)
+    assert grads0.keys() == grads1.keys()
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], atol=atol, rtol=0, msg=k)
+
+
+def _uniform(ex, mode) -> Plan:
+    items = [
+        UnitChoice(u.path, mode if u.path in ex.block_paths else "keep")
+        for u in find_units(ex.model, ex.block_paths)
+    ]
+    return Plan(tuple(items), model_fingerprint(ex.model))
+
+
+def _mixed(ex) -> Plan:
+    """keep, recompute and selective units side by side (selective from a real profile)."""
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    selective = next(u for u in save_matmuls_plan(prof).units if u.path == "blocks.1")
+    items = [
+        selective if u.path == "blocks.1"
+        else UnitChoice(u.path, "recompute" if u.path == "blocks.0" else "keep")
+        for u in find_units(ex.model, ex.block_paths)
+    ]  # fmt: skip
+    return Plan(tuple(items), model_fingerprint(ex.model))
+
+
+def _counting_backend():
+    """aot_eager with the min-cut partitioner, recording each backward graph's matmuls."""
+    backward_matmuls: list[int] = []
+
+    def backward_compiler(gm, _inputs):
+        count = sum(
+            1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in MATMULS
+        )
+        backward_matmuls.append(count)
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm),
+        bw_compiler=backward_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend, backward_matmuls
+
+
+def test_mixed_plan_compiled_gives_plain_gradients_aot_eager():
+    ex = make("gpt", **GPT)
+    ref = _step(ex)
+    gradckpt.apply(ex.model, _mixed(ex))
+    gradckpt.compile(ex.model, ex.loss_fn, backend="aot_eager")
+    _assert_close(ref, _step(ex), atol=1e-5)
+    _assert_close(ref, _step(ex), atol=1e-5)  # second step: compiled code reused
+    assert compiled_plan(ex.model) is not None
+
+
+def test_fit_compile_inductor_gives_plain_gradients():
+    """fit(..., compile=...) end to end on inductor; RNG as eager's (fallback_random)."""
+    import torch._inductor.config as inductor_config
+
+    ex = make("gpt", **{**GPT, "layers": 2, "seq": 64, "batch": 4})  # activations matter
+    ref = _step(ex)
+    with inductor_config.patch(fallback_random=True):
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget=0.7, compile=True)
+        assert any(u.mode != "keep" for u in plan.units)
+        assert compiled_plan(ex.model) == plan
+        got = _step(ex)
+    _assert_close(ref, got, atol=1e-4)
+
+
+def test_decisions_reach_the_compiled_backward_graph():
+    """recompute > selective > keep in backward matmuls: the partitioner honours the tags."""
+    counts = {}
+    for name in ("keep", "selective", "recompute"):
+        torch._dynamo.reset()
+        ex = make("gpt", **GPT)
+        plan = _uniform(ex, name) if name != "selective" else None
+        if plan is None:
+            prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+            plan = save_matmuls_plan(prof)
+            assert any(u.mode == "selective" for u in plan.units)
+        gradckpt.apply(ex.model, plan)
+        backend, backward_matmuls = _counting_backend()
+        gradckpt.compile(ex.model, ex.loss_fn, backend=backend)
+        _step(ex)
+        counts[name] = sum(backward_matmuls)
+    # Each block has 4 linears + 2 attention bmms; recomputing a block adds its
+    # forward matmuls to backward; save_matmuls keeps them all.
+    assert counts["recompute"] > counts["keep"]
+    assert counts["selective"] == counts["keep"]
+
+
+def test_segments_are_refused_and_model_left_as_it_was():
+    ex = make("gpt", **GPT)
+    units = find_units(ex.model, ex.block_paths)
+    items = []
+    for u in units:
+        if u.path == "blocks.0":
+            items.append(Segment((UnitChoice("blocks.0"), UnitChoice("blocks.1"))))
+        elif u.path != "blocks.1":
+            items.append(UnitChoice(u.path))
+    gradckpt.apply(ex.model, Plan(tuple(items), model_fingerprint(ex.model)))
+    forwards = {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
+    with pytest.raises(ValueError, match="segments=False"):
+        gradckpt.compile(ex.model, backend="aot_eager")
+    assert forwards == {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
+    assert compiled_plan(ex.model) is None
+
+
+def test_selective_plan_needs_loss_fn():
+    ex = make("gpt", **GPT)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    gradckpt.apply(ex.model, save_matmuls_plan(prof))
+    with pytest.raises(ValueError, match="pass the plan's loss_fn"):
+        gradckpt.compile(ex.model, backend="aot_eager")
+    assert compiled_plan(ex.model) is None
+
+
+def test_uncompile_restores_the_eager_plan():
+    ex = make("gpt", **GPT)
+    ref = _step(ex)
+    gradckpt.apply(ex.model, _uniform(ex, "recompute"))
+    before = {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
+    gradckpt.compile(ex.model, backend="aot_eager")
+    uncompile(ex.model)
+    assert before == {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
+    assert ex.model._compiled_call_impl is None
+    _assert_close(ref, _step(ex), atol=0)  # eager gradckpt again: bit-exact

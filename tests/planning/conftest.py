@@ -1,0 +1,72 @@
+"""Zoo models profiled once per session, and a step runner that measures peak and grads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gradckpt.measure import AllocatorTracker, MemoryTracker, state_bytes
+from gradckpt.profiling import Profile, profile
+from gradckpt.testing import Example, make
+
+ZOO_NAMES = ["mlp", "dropout_mlp", "gpt", "resnet", "unet", "bn_convnet"]
+
+
+@dataclass
+class Step:
+    peak: int  # the allocator's: parameters + the most it held above entry
+    tracker_peak: int  # the dispatch level's (MemoryTracker)
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+def run_step(ex: Example, seed: int = 7) -> Step:
+    """One measured training step from a fixed RNG state; leaves grads cleared, buffers restored.
+
+    Its peak is measured at the allocator (kernel workspaces included) and by
+    the tensor tracker.
+    """
+    model = ex.model
+    saved = {k: b.clone() for k, b in model.named_buffers()}
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with AllocatorTracker() as allocator, MemoryTracker(model) as tracker:
+        loss = ex.loss_fn()
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for k, b in model.named_buffers():
+            b.copy_(saved[k])
+    peak = state_bytes(model) + allocator.peak_bytes
+    return Step(peak, tracker.peak_bytes, loss.detach(), grads, buffers)
+
+
+def assert_same_step(a: Step, b: Step) -> None:
+    assert torch.equal(a.loss, b.loss)
+    assert a.grads.keys() == b.grads.keys()
+    for name in a.grads:
+        assert torch.equal(a.grads[name], b.grads[name]), f"gradient of {name} differs"
+    for name in a.buffers:
+        assert torch.equal(a.buffers[name], b.buffers[name]), f"buffer {name} differs"
+
+
+class Zoo:
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[Example, Profile, Step]] = {}
+
+    def get(self, name: str) -> tuple[Example, Profile, Step]:
+        if name not in self._cache:
+            ex = make(name)
+            prof = profile(ex.model, ex.loss_fn, repeats=1)
+            self._cache[name] = (ex, prof, run_step(ex))
+        return self._cache[name]
+
+
+@pytest.fixture(scope="session")
+def zoo() -> Zoo:
+    return Zoo()

@@ -1,0 +1,97 @@
+"""Plans across each zoo model's frontier: within budget, predicted right, gradients unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+import gradckpt
+from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.chain import build_chain
+from gradckpt.planning.dp import ChainDP
+from gradckpt.planning.solvers import (
+    SOLVERS,
+    every_kth_plan,
+    finish,
+    least_peak_plan,
+    solve,
+)
+
+from .conftest import ZOO_NAMES, assert_same_step, run_step
+
+
+def _budgets(prof) -> list[int]:
+    model = build_chain(prof)
+    _, least = least_peak_plan(prof, model, ChainDP(model.chain))
+    plain = prof.measured_peak_bytes
+    _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
+    points = {least.peak_bytes, plain}
+    if every.peak_bytes < plain:
+        points.add(every.peak_bytes)
+    points.update(
+        least.peak_bytes + round(f * (plain - least.peak_bytes)) for f in (0.25, 0.5, 0.75)
+    )
+    return sorted(points)
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_dp_plans_fit_predict_and_keep_gradients(zoo, name):
+    ex, prof, plain = zoo.get(name)
+    for budget in _budgets(prof):
+        plan = solve(prof, budget, "dp")
+        gradckpt.apply(ex.model, plan)
+        try:
+            step = run_step(ex)
+        finally:
+            gradckpt.remove(ex.model)
+        assert step.peak <= budget, f"{name}: measured {step.peak} over budget {budget}"
+        assert abs(plan.predicted_peak_bytes - step.peak) <= 0.05 * step.peak
+        assert_same_step(step, plain)
+    # remove() gives the plain model back exactly.
+    after = run_step(ex)
+    assert after.peak == plain.peak
+    assert_same_step(after, plain)
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_dp_is_never_predicted_worse_than_a_baseline(zoo, name):
+    _, prof, _ = zoo.get(name)
+    for budget in _budgets(prof):
+        dp = solve(prof, budget, "dp")
+        for solver in SOLVERS:
+            if solver == "dp":
+                continue
+            try:
+                baseline = solve(prof, budget, solver)
+            except BudgetError:
+                continue
+            assert dp.predicted_step_time <= baseline.predicted_step_time * (1 + 1e-9), (
+                f"{name} at {budget}: dp {dp.predicted_step_time:.4f}s > "
+                f"{solver} {baseline.predicted_step_time:.4f}s"
+            )
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet", "bn_convnet"])
+def test_dp_reaches_below_checkpointing_every_block(zoo, name):
+    _, prof, _ = zoo.get(name)
+    _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
+    model = build_chain(prof)
+    least_plan, least = least_peak_plan(prof, model, ChainDP(model.chain))
+    assert least.peak_bytes < every.peak_bytes
+    assert any(isinstance(item, gradckpt.Segment) for item in least_plan.items)
+
+
+def test_budget_below_least_feasible_names_the_least_peak(zoo):
+    _, prof, _ = zoo.get("gpt")
+    model = build_chain(prof)
+    _, least = least_peak_plan(prof, model, ChainDP(model.chain))
+    with pytest.raises(BudgetError) as info:
+        solve(prof, least.peak_bytes // 2, "dp")
+    assert info.value.least_peak_bytes == least.peak_bytes
+    message = str(info.value)
+    assert "least peak" in message and "MiB" in message and "parameters" in message
+
+
+def test_unknown_solver_is_refused(zoo):
+    _, prof, _ = zoo.get("mlp")
+    with pytest.raises(ValueError, match="unknown solver"):
+        solve(prof, prof.measured_peak_bytes, "magic")
