@@ -8,7 +8,17 @@ U-Net from ``gradckpt.testing``), contenders:
   ``torch._functorch.config.activation_memory_budget = F`` (1.0 is the
   default), F in 1.0/0.7/0.5/0.3/0.1/0.0;
 * ``gradckpt F``: a gradckpt plan (no segments) at F of the eager peak, then
-  ``gradckpt.compile`` (the plan inside the compiled graph).
+  ``gradckpt.compile`` (the plan inside the compiled graph);
+* ``gradckpt fused F``: the same, planned on the fused view of the profile
+  (``compiled_budget.fused_profile``: ops without FLOPs cost no time, as the
+  compiler fuses them), which keeps matmuls and recomputes pointwise ops;
+* ``gradckpt knob amb=F``: the compiler's partitioner at budgets between the
+  compiler rows' (0.9/0.8/0.6/0.4/0.2), as ``fit_compiled`` drives it: in
+  bytes, measured, chosen from the table (never over, monotone).
+
+Two verdict tables per model: gradckpt's plans alone (``gradckpt`` and
+``gradckpt fused`` rows), and gradckpt's whole candidate set (plans and the
+knob driven in bytes, what ``fit_compiled`` chooses from).
 
 Every contender lives in its own worker process (the compiler's config is
 process-wide and Dynamo's caches are shared by same-class models), compiled
@@ -63,7 +73,7 @@ FULL: dict[str, dict[str, Any]] = {
 SMALL: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
     "llama": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
-    "unet": dict(depth=3, base=8, image=32, batch=4),
+    "unet": dict(depth=3, base=16, image=64, batch=2),
 }
 QUICK: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
@@ -72,8 +82,12 @@ QUICK: dict[str, dict[str, Any]] = {
 }
 COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3, 0.2, 0.1)
+FUSED_FRACTIONS = (0.9, 0.8, 0.7)
+KNOB_BUDGETS = (0.9, 0.8, 0.6, 0.4, 0.2)
 QUICK_COMPILER_BUDGETS = (1.0, 0.0)
-QUICK_PLAN_FRACTIONS = (0.7,)
+QUICK_PLAN_FRACTIONS = (0.9,)
+QUICK_FUSED_FRACTIONS = (0.9,)
+QUICK_KNOB_BUDGETS = (0.5,)
 
 
 def _sizes(args: Any) -> dict[str, dict[str, Any]]:
@@ -101,7 +115,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
 
     try:
         ex = _example(model, sizes)
-        if spec["kind"] == "compiler":
+        if spec["kind"] in ("compiler", "knob"):
             import torch._functorch.config as functorch_config
 
             functorch_config.activation_memory_budget = spec["budget"]
@@ -136,25 +150,35 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         conn.close()
 
 
-def _plans(model: str, sizes: dict, fractions: tuple, folder: Path) -> dict[str, str]:
-    """gradckpt plans (segments off) at each fraction of the eager peak, saved for the workers."""
+def _plans(model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path) -> dict[str, str]:
+    """gradckpt plans (segments off) at each fraction of the eager peak, saved for the workers.
+
+    ``fused`` fractions plan on the fused view of the profile; a plan equal to
+    one already listed is not repeated.
+    """
     import gradckpt
+    from gradckpt.integrations.compiled_budget import fused_profile
+    from gradckpt.planning.budget import parse_budget
+    from gradckpt.planning.solvers import solve
 
     ex = _example(model, sizes)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     paths: dict[str, str] = {}
     seen: list = []
-    for fraction in fractions:
-        try:
-            plan = gradckpt.plan(ex.model, ex.loss_fn, fraction, profile=prof, segments=False)
-        except gradckpt.BudgetError:
-            continue
-        if plan.items in seen:
-            continue
-        seen.append(plan.items)
-        path = folder / f"{model}-{fraction:g}.json"
-        plan.save(path)
-        paths[f"gradckpt {fraction:g}"] = str(path)
+    for name, view, chosen in (("gradckpt", prof, fractions),
+                               ("gradckpt fused", fused_profile(prof), fused)):  # fmt: skip
+        for fraction in chosen:
+            try:
+                budget = parse_budget(fraction, prof.measured_peak_bytes)
+                plan = solve(view, budget, "dp", segments=False)
+            except gradckpt.BudgetError:
+                continue
+            if plan.items in seen:
+                continue
+            seen.append(plan.items)
+            path = folder / f"{model}-{name.replace(' ', '-')}-{fraction:g}.json"
+            plan.save(path)
+            paths[f"{name} {fraction:g}"] = str(path)
     return paths
 
 
@@ -162,11 +186,15 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     sizes = _sizes(args)[model]
     budgets = QUICK_COMPILER_BUDGETS if args.quick else COMPILER_BUDGETS
     fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
+    fused = QUICK_FUSED_FRACTIONS if args.quick else FUSED_FRACTIONS
+    knobs = QUICK_KNOB_BUDGETS if args.quick else KNOB_BUDGETS
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
     for b in budgets:
         specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
-    for label, path in _plans(model, sizes, fractions, folder).items():
+    for label, path in _plans(model, sizes, fractions, fused, folder).items():
         specs[label] = dict(kind="gradckpt", plan=path, backend=args.backend)
+    for b in knobs:
+        specs[f"gradckpt knob amb={b:g}"] = dict(kind="knob", budget=b, backend=args.backend)
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
@@ -204,9 +232,11 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     return results
 
 
-def _verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """Per compiler point: the fastest gradckpt point with a peak no higher, and win or loss."""
-    ours = [(k, r) for k, r in rows.items() if r.get("kind") == "gradckpt" and "median_s" in r]
+def _verdicts(
+    rows: dict[str, dict[str, Any]], kinds: tuple[str, ...] = ("gradckpt",)
+) -> list[tuple[str, str, str]]:
+    """Per compiler point: the fastest of ``kinds``' points with a peak no higher, win or loss."""
+    ours = [(k, r) for k, r in rows.items() if r.get("kind") in kinds and "median_s" in r]
     out = []
     for label, row in rows.items():
         if row.get("kind") != "compiler" or "median_s" not in row:
@@ -234,7 +264,12 @@ def _plot(data: dict[str, Any], path: Path) -> None:
     for ax, model in zip(axes[0], models):
         rows = data["results"][model]
         eager = rows.get("eager", {})
-        for kind, style in (("compiler", "s-"), ("gradckpt", "o-"), ("eager", "k*")):
+        for kind, style in (
+            ("compiler", "s-"),
+            ("gradckpt", "o-"),
+            ("knob", "^:"),
+            ("eager", "k*"),
+        ):
             pts = sorted(
                 (r["peak"] / MiB, r["median_s"], k) for k, r in rows.items()
                 if r.get("kind") == kind and "median_s" in r
@@ -289,9 +324,14 @@ def _report(data: dict[str, Any]) -> str:
                 ],
                 table,
             ),
-            "At each compiler point's peak, the fastest gradckpt point with a peak no higher:",
+            "At each compiler point's peak, the fastest gradckpt *plan* with a peak no higher:",
             markdown_table(
                 ["compiler point", "gradckpt point", "verdict"], data["verdicts"][model]
+            ),
+            "The same over gradckpt's whole candidate set (plans and the compiler's knob "
+            "driven in bytes, what `fit_compiled` chooses from):",
+            markdown_table(
+                ["compiler point", "gradckpt point", "verdict"], data["verdicts_all"][model]
             ),
         ]
     parts += ["## Setup", info_block(data["info"])]
@@ -309,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models or (["gpt2"] if args.quick else list(MODELS))
     load_before = load_average()
     started = time.perf_counter()
-    results, verdicts = {}, {}
+    results, verdicts, verdicts_all = {}, {}, {}
     with tempfile.TemporaryDirectory() as folder:
         for model in models:
             print(f"compiled benchmark: {model}, backend {args.backend}")
             results[model] = _bench_model(model, args, Path(folder))
             verdicts[model] = _verdicts(results[model])
+            verdicts_all[model] = _verdicts(results[model], ("gradckpt", "knob"))
     info = machine_info(
         backend=args.backend, models=models, quick=args.quick, threads=args.threads,
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,
@@ -324,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         wall_time_s=round(time.perf_counter() - started, 1),
     )  # fmt: skip
     info["load_note"] = load_note(info)
-    data = {"version": 1, "info": info, "results": results, "verdicts": verdicts}
+    data = {
+        "version": 2, "info": info, "results": results,
+        "verdicts": verdicts, "verdicts_all": verdicts_all,
+    }  # fmt: skip
     md = _report(data)
     what = "compiled" if args.models is None else "compiled-" + "-".join(models)
     md_path, json_path = write_results(args.out, what, md, data)

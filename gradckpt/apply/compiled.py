@@ -20,10 +20,12 @@ the traced graph has extra ops (clones from functionalization), so positions
 are translated to "the k-th call of this op" by recording one eager forward
 (:func:`_occurrences`), which is why selective plans need ``loss_fn``.
 
-Plans with multi-block segments are refused (plan with ``segments=False``):
-a segment is a region across several module calls, which has no single
-callable to checkpoint. Random ops (dropout) are saved by the partitioner, not
-replayed, so recomputes do not change the masks.
+Segments (one region over several units) are honoured too: each unit of a
+segment is a checkpoint call whose ops all prefer recompute, and the units
+share one graph id so the partitioner does not save the tensors between them
+(:mod:`gradckpt.apply.compiled_segments`). Random ops (dropout) are
+saved by the partitioner, not replayed, so recomputes do not change the masks.
+Dynamo's recompiles are counted (:mod:`gradckpt.apply.compiled_watch`).
 
 Example:
     >>> plan = gradckpt.fit(model, loss_fn, budget=0.5, segments=False)
@@ -44,8 +46,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.apply.apply import applied_plan, applied_units
+from gradckpt.apply.compiled_segments import segment_contexts, segment_of
+from gradckpt.apply.compiled_watch import watch
+from gradckpt.apply.guard import guard_of
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
-from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.planning import Plan, UnitChoice
 
 __all__ = ["compile", "compiled_plan", "uncompile"]
 
@@ -65,8 +70,8 @@ def compile(
     """Compile ``model`` in place as one graph with its applied plan honoured by the partitioner.
 
     Args:
-        model: a model :func:`gradckpt.apply`/``fit`` installed a plan on (no
-            segments). Without a plan it is simply ``model.compile(...)``.
+        model: a model :func:`gradckpt.apply`/``fit`` installed a plan on.
+            Without a plan it is simply ``model.compile(...)``.
         loss_fn: the zero-argument loss the plan was made with; needed only
             when the plan has selective units (one eager forward is recorded
             to translate op positions).
@@ -85,15 +90,11 @@ def compile(
     plan = applied_plan(model)
     if plan is None:
         model.compile(**compile_kwargs)
+        watch(model)
         return model
-    if any(isinstance(item, Segment) for item in plan.items):
-        raise ValueError(
-            "gradckpt.compile: the applied plan has multi-block segments, which the compiler "
-            "cannot checkpoint as one call; plan with segments=False "
-            "(gradckpt.fit(model, loss_fn, budget, segments=False))"
-        )
     modules = dict(model.named_modules())
-    selective = [u for u in plan.units if u.mode == "selective"]
+    segments = segment_of(plan)
+    selective = [u for u in plan.units if u.mode == "selective" and u.path not in segments]
     if selective and loss_fn is None:
         raise ValueError(
             f"gradckpt.compile: units {[u.path for u in selective]} keep single ops; pass the "
@@ -108,9 +109,21 @@ def compile(
     for unit in plan.units:
         module = modules[unit.path]
         replaced.append((module, module.__dict__.get("forward")))
-        module.forward = _compiled_forward(unit, plains[unit.path], saves.get(unit.path, ()))
+        if unit.path in segments:
+            context_fn = functools.partial(segment_contexts, *segments[unit.path], unit.path)
+        elif unit.mode != "keep":
+            context_fn = functools.partial(
+                _sac_contexts, frozenset(saves.get(unit.path, ())), unit.path
+            )
+        else:
+            context_fn = None
+        module.forward = _compiled_forward(plains[unit.path], context_fn)
     _COMPILED[model] = (plan, replaced)
     model.compile(**compile_kwargs)
+    stats = watch(model)
+    guard = guard_of(model)
+    if guard is not None:  # fit(..., compile=True): shape_stats shows the recompiles too
+        guard.recompiles = lambda: stats().recompiles
     return model
 
 
@@ -138,13 +151,15 @@ def uncompile(model: nn.Module) -> nn.Module:
 
 
 def _compiled_forward(
-    unit: UnitChoice, plain: Callable[..., Any], saves: tuple[Occurrence, ...]
+    plain: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]] | None
 ) -> Callable[..., Any]:
-    """The unit's forward as the compiler should see it (see the module docstring)."""
-    if unit.mode == "keep":
+    """The unit's forward as the compiler should see it: a checkpoint call with ``context_fn``.
+
+    None: the unit is kept and runs plainly (see the module docstring).
+    """
+    if context_fn is None:
         forward = plain
     else:
-        context_fn = functools.partial(_sac_contexts, frozenset(saves), unit.path)
         eager_plain = torch.compiler.disable(plain)
 
         def body(*args: Any, **kwargs: Any) -> Any:

@@ -87,6 +87,7 @@ class ShapeStats:
     policy: str
     active: str
     rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
+    recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
 
     @property
     def replan_seconds_total(self) -> float:
@@ -99,7 +100,8 @@ class ShapeStats:
             f"gradckpt shapes: {self.plans} plan(s), {self.replans} planned during training "
             f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s; {self.rescaled} by "
             f"rescaling), {self.switches} "
-            f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s); "
+            f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s), "
+            f"{self.recompiles} torch._dynamo recompile(s); "
             f"policy {self.policy}; active shape {self.active}"
         )
 
@@ -116,6 +118,7 @@ class ShapeGuard:
     predictor: Predictor | None = None
     round_up: bool = False
     rescaled: Callable[[], int] | None = None  # how many plans the planner made by rescaling
+    recompiles: Callable[[], int] | None = None  # set by gradckpt.compile (integrations)
     calls: int = 0
     replans: list[float] = field(default_factory=list)
     switches: int = 0
@@ -146,6 +149,7 @@ class ShapeGuard:
             policy=self.policy,
             active=self.active.describe() if self.active is not None else "(not recorded)",
             rescaled=self.rescaled() if self.rescaled is not None else 0,
+            recompiles=self.recompiles() if self.recompiles is not None else 0,
         )
 
     def on_call(self, args: tuple, kwargs: dict) -> None:

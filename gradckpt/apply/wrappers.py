@@ -190,6 +190,11 @@ class RootGuard:
     if it has one (:mod:`gradckpt.apply.guard`).
     """
 
+    # The shape check; OpaqueRootGuard's is Dynamo-disabled, since under a compiled
+    # caller ``run`` is traced (only ``__call__``'s frame is skipped) and the
+    # check, which may plan a new shape, must run eagerly.
+    check = staticmethod(shape_guard.check)
+
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
         self.active = True  # False once removed while another wrapper still calls this one
@@ -214,7 +219,7 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        switched = shape_guard.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        switched = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
         if switched is not None and switched is not self:
             return switched(*args, **kwargs)  # the new plan's root runs this call
         depth = _stack_depth()
@@ -257,6 +262,8 @@ def make_opaque(forward: UnitForward | RootGuard) -> None:
     ):
         if "_gradckpt_disabled" not in cls.__dict__:
             cls.__call__ = torch.compiler.disable(base.__call__, recursive=recursive)
+            if cls is OpaqueRootGuard:
+                cls.check = staticmethod(torch.compiler.disable(shape_guard.check))
             cls._gradckpt_disabled = True
     if type(forward) is UnitForward:
         forward.__class__ = OpaqueUnitForward

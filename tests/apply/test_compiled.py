@@ -24,6 +24,7 @@ pytest.importorskip("torch._dynamo")
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 GPT = dict(layers=3, d_model=32, heads=2, seq=16, vocab=128, batch=2, dropout=0.1)
 MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
@@ -139,21 +140,61 @@ def test_decisions_reach_the_compiled_backward_graph():
     assert counts["selective"] == counts["keep"]
 
 
-def test_segments_are_refused_and_model_left_as_it_was():
-    ex = make("gpt", **GPT)
-    units = find_units(ex.model, ex.block_paths)
+def _segment_plan(ex, mode: str) -> Plan:
+    """blocks 0 and 1 as one segment, or each recomputed on its own (mode "recompute")."""
     items = []
-    for u in units:
-        if u.path == "blocks.0":
+    for u in find_units(ex.model, ex.block_paths):
+        if u.path == "blocks.0" and mode == "segment":
             items.append(Segment((UnitChoice("blocks.0"), UnitChoice("blocks.1"))))
-        elif u.path != "blocks.1":
+        elif u.path in ("blocks.0", "blocks.1"):
+            if mode == "recompute":
+                items.append(UnitChoice(u.path, "recompute"))
+        else:
             items.append(UnitChoice(u.path))
-    gradckpt.apply(ex.model, Plan(tuple(items), model_fingerprint(ex.model)))
-    forwards = {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
-    with pytest.raises(ValueError, match="segments=False"):
-        gradckpt.compile(ex.model, backend="aot_eager")
-    assert forwards == {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
-    assert compiled_plan(ex.model) is None
+    return Plan(tuple(items), model_fingerprint(ex.model))
+
+
+def _saving_backend():
+    """min-cut partitioner; records the bytes the forward graph saves and backward's matmuls."""
+    record = {"saved": 0, "backward_matmuls": 0}
+
+    def forward_compiler(gm, _inputs):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        for node in output.args[0]:
+            value = getattr(node, "meta", {}).get("val")
+            if isinstance(value, torch.Tensor):  # sizes at their hints if symbolic
+                record["saved"] += optimization_hint(value.numel()) * value.element_size()
+        return make_boxed_func(gm)
+
+    def backward_compiler(gm, _inputs):
+        record["backward_matmuls"] += sum(
+            1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in MATMULS
+        )
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=backward_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend, record
+
+
+def test_segment_compiled_saves_less_than_its_units_recomputed_apart_same_gradients():
+    """A segment's inner boundary is recomputed, not saved; same recompute, plain gradients."""
+    records = {}
+    for mode in ("recompute", "segment"):
+        torch._dynamo.reset()
+        ex = make("gpt", **GPT)
+        ref = _step(ex)
+        gradckpt.apply(ex.model, _segment_plan(ex, mode))
+        backend, records[mode] = _saving_backend()
+        gradckpt.compile(ex.model, backend=backend)
+        _assert_close(ref, _step(ex), atol=1e-5)
+        assert compiled_plan(ex.model) is not None
+    boundary = GPT["batch"] * GPT["seq"] * GPT["d_model"] * 4  # blocks.0's output, float32
+    assert records["recompute"]["saved"] - records["segment"]["saved"] >= boundary
+    assert records["segment"]["backward_matmuls"] == records["recompute"]["backward_matmuls"]
 
 
 def test_selective_plan_needs_loss_fn():

@@ -26,11 +26,12 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     assert md.with_suffix(".png").stat().st_size > 0
     rows = data["results"]["gpt2"]
     kinds = {r["kind"] for r in rows.values()}
-    assert kinds == {"eager", "compiler", "gradckpt"}, rows
+    assert kinds == {"eager", "compiler", "gradckpt", "knob"}, rows
     for label, row in rows.items():
         assert "error" not in row, (label, row)
         assert row["peak"] > 0 and row["median_s"] > 0
-    assert len(data["verdicts"]["gpt2"]) == sum(r["kind"] == "compiler" for r in rows.values())
+    compiler_points = sum(r["kind"] == "compiler" for r in rows.values())
+    assert len(data["verdicts"]["gpt2"]) == len(data["verdicts_all"]["gpt2"]) == compiler_points
     text = md.read_text()
     assert "| contender | peak (MiB) | peak / eager |" in text
     assert "| compiler point | gradckpt point | verdict |" in text

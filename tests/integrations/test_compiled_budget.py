@@ -93,3 +93,25 @@ def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured):
     got = _grads(ex)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_fused_profile_makes_ops_without_flops_free_and_keeps_the_rest():
+    import gradckpt
+    from gradckpt.integrations.compiled_budget import fused_profile
+    from gradckpt.planning.simulate import simulate
+    from gradckpt.planning.solvers import none_plan
+
+    ex = make("gpt", **GPT)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    fused = fused_profile(prof)
+    assert any(op.flops == 0 and op.time > 0 for op in prof.ops)  # something to fuse
+    for before, after in zip(prof.ops, fused.ops, strict=True):
+        assert after.time == (0.0 if before.flops == 0 else before.time)
+        assert after.outputs == before.outputs
+    for unit in fused.units:
+        ops = [op for op in fused.ops if op.unit == unit.index]
+        assert unit.fwd_time == sum(op.time for op in ops if not op.backward)
+        assert unit.bwd_time == sum(op.time for op in ops if op.backward)
+    assert fused.storages == prof.storages and fused.packs == prof.packs
+    plain = none_plan(prof)  # bytes are the eager ones: the same predicted peak
+    assert simulate(fused, plain).peak_bytes == simulate(prof, plain).peak_bytes
