@@ -237,8 +237,9 @@ def fit(
             four lengths rescaled exactly (:mod:`gradckpt.planning.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
-        measure_candidates: how many plans that fit (the planner's, then the next
-            fastest predicted) to run for 3 real steps each, interleaved with the
+        measure_candidates: how many plans that fit (the planner's, the best one
+            that keeps or recomputes each unit whole, then the next fastest
+            predicted) to run for 3 real steps each, interleaved with the
             plain step, keeping the fastest measured (:mod:`gradckpt.apply.select`).
             It costs ``3 * (measure_candidates + 1)`` training steps: 9 by default,
             about what profiling costs. The plan records ``measured_overhead`` next

@@ -3,11 +3,14 @@
 The planner ranks plans by predicted time, and a prediction can be wrong by
 more than the gap between two plans that fit (the engine's Python per op,
 allocator work, ops running colder in a recompute than when profiled). So
-``fit`` takes the few candidates predicted fastest that fit the budget (the
-DP's plan, and the baselines and leaner DP plans that also fit), runs each
-for ``rounds`` real steps interleaved with the plain step (plain, A, B,
-plain, A, B, ...), and keeps the one whose median step ratio is lowest. The
-kept plan records its predicted and measured overhead.
+``fit`` takes the few candidates that fit the budget (the DP's plan; the best
+*whole-unit* plan, each unit kept or recomputed whole as per-layer
+checkpointing does, so the pick is never a selective plan that measured
+clearly slower than per-layer checkpointing at the same memory; then the
+baselines and leaner DP plans predicted fastest), runs each for ``rounds``
+real steps interleaved with the plain step (plain, A, B, plain, A, B, ...),
+and keeps the one whose median step ratio is lowest. The kept plan records
+its predicted and measured overhead.
 
 Cost: ``rounds * (candidates + 1)`` training steps (9 with the defaults),
 plus one ``apply``/``remove`` per candidate step. The model, its gradients,
@@ -26,13 +29,14 @@ from torch import nn
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.timing import work_clock
 from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Plan
+from gradckpt.planning.chain import ChainModel
+from gradckpt.planning.plan import Plan, UnitChoice
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.solvers import finish, solve
+from gradckpt.planning.solvers import finish, solve, solve_dp
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState
 
-__all__ = ["candidate_plans", "fastest_measured", "pick_fastest"]
+__all__ = ["candidate_plans", "fastest_measured", "pick_fastest", "whole_unit_plan"]
 
 #: Baselines that become candidates when they fit (sqrt only where segments are allowed).
 _BASELINES = ("every_kth", "save_matmuls", "every_block", "sqrt")
@@ -47,10 +51,47 @@ def _planner(source: Profile | Planner, segments: bool) -> Planner:
     return source if isinstance(source, Planner) else Planner(source, segments=segments)
 
 
+def _whole_units(model: ChainModel) -> ChainModel:
+    """The DP chain with each unit's selective options removed and no segments."""
+    picks = [[i for i, o in enumerate(opts) if o.mode != "selective"] for opts in model.options]
+    stages = tuple(
+        replace(stage, options=tuple(stage.options[i] for i in pick), joins_previous=False)
+        for stage, pick in zip(model.chain.stages, picks)
+    )
+    options = tuple(tuple(opts[i] for i in pick) for opts, pick in zip(model.options, picks))
+    return replace(model, chain=replace(model.chain, stages=stages), options=options)
+
+
+def _whole(items: tuple) -> bool:
+    return all(isinstance(i, UnitChoice) and i.mode != "selective" for i in items)
+
+
+def whole_unit_plan(source: Profile | Planner, budget: int) -> Plan | None:
+    """The least-time plan within ``budget`` whose units are each kept or recomputed whole.
+
+    That is per-layer checkpointing at its best (the DP picks which units to
+    recompute; no selective units, no segments), or None when none fits.
+    ``source``: the profile, or a Planner (its chain is reused).
+
+    Example:
+        >>> whole_unit_plan(prof, 300 << 20).predicted_overhead
+    """
+    planner = _planner(source, segments=False)
+    model = _whole_units(planner.chain)
+    try:
+        plan = solve_dp(planner.profile, budget, model=model, segments=False)
+    except BudgetError:
+        return None
+    return plan if _whole(plan.items) else None  # a fallback may have made other shapes
+
+
 def candidate_plans(
     source: Profile | Planner, chosen: Plan, count: int, *, segments: bool = True
 ) -> list[Plan]:
-    """``chosen`` and up to ``count - 1`` other plans that fit its budget, fastest predicted first.
+    """``chosen`` and up to ``count - 1`` other plans that fit its budget.
+
+    The best whole-unit plan (:func:`whole_unit_plan`) comes second whenever it
+    fits and differs from ``chosen``; the others follow, fastest predicted first.
 
     ``source``: the profile, or the :class:`~gradckpt.planning.planner.Planner` that
     made ``chosen`` (its chain and DP are then reused; ``segments`` is its own).
@@ -62,6 +103,9 @@ def candidate_plans(
     profile = planner.profile
     budget = chosen.budget_bytes
     found = [chosen]
+    whole = None
+    if budget is not None and count > 1 and not _whole(chosen.items):
+        whole = whole_unit_plan(planner, budget)
     if budget is not None and count > 1:
         for name in _BASELINES:
             if name == "sqrt" and not planner.segments:
@@ -76,13 +120,19 @@ def candidate_plans(
             except BudgetError:
                 continue
             found.append(finish(profile, leaner, budget, "dp")[0])
-    unique: dict[tuple, Plan] = {}
+    unique: dict[tuple, Plan] = {chosen.items: chosen}
+    if whole is not None:
+        unique.setdefault(whole.items, whole)
     for plan in found:
         unique.setdefault(plan.items, plan)
-    others = sorted(
-        (p for p in unique.values() if p is not chosen), key=lambda p: p.predicted_step_time
+    first = [chosen] + (
+        [unique[whole.items]] if whole is not None and whole.items != chosen.items else []
     )
-    return [chosen, *others][: max(1, count)]
+    others = sorted(
+        (p for p in unique.values() if all(p is not f for f in first)),
+        key=lambda p: p.predicted_step_time,
+    )
+    return [*first, *others][: max(1, count)]
 
 
 def pick_fastest(ratios: list[list[float]], margin: float = MARGIN) -> int:

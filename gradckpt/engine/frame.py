@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import SAVE, TAG, PolicyContext, as_decision
@@ -111,7 +110,9 @@ class Frame:
         )
         self.slots: list[weakref.ref[Holder] | None] = []
         self.cache: dict[tuple[Any, int], CacheEntry] = {}  # by modes.replay_key
-        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id(output) -> (weak reference, replay key, op) of the forward's recomputed
+        # ops, for tag(); a plain dict (a WeakIdKeyDictionary costs ~3 us per op).
+        self.producers: dict[int, tuple[weakref.ref, tuple[Any, int], Any]] = {}
         self.op_count = 0
         self.forward_completed = False
         self.lenient_count = False
@@ -170,6 +171,7 @@ class Frame:
         if exit_stack is None:
             return
         exit_stack.close()
+        self.producers = {}  # tag() names tensors of a running forward only
         if self._state_versions:
             # What the forward wrote to (running statistics): its recompute must not.
             self._mutated = [t for t, v in self._state_versions if t._version != v]
@@ -204,15 +206,26 @@ class Frame:
         parent._maybe_stop(gid)
         return holder if holder is not None else x.detach()
 
+    def note_producer(self, output: torch.Tensor, key: tuple[Any, int], func: Any) -> None:
+        """The forward's op ``func`` (replay key ``key``) made ``output``, not kept (for tag)."""
+        self.producers[id(output)] = (weakref.ref(output), key, func)
+
+    def _producer(self, tensor: torch.Tensor) -> tuple[tuple[Any, int], Any] | None:
+        found = self.producers.get(id(tensor))
+        # The id of a dead output may be reused: only the very tensor counts.
+        if found is None or found[0]() is not tensor:
+            return None
+        return found[1], found[2]
+
     def tag(self, tensor: torch.Tensor, name: str) -> None:
         """A tensor of this region's forward got a name: ask the policy about it."""
         ctx = PolicyContext(index=-1, region=self.name)
         decision = as_decision(self.policy(ctx, TAG, tensor, name), TAG, self.policy)
-        found = self.producers.get(tensor)
+        found = self._producer(tensor)
         if found is None and tensor._base is not None:
             # A view (a Linear on 3-D input ends in one): keep the op that made its base.
             tensor = tensor._base
-            found = self.producers.get(tensor)
+            found = self._producer(tensor)
         if decision is SAVE and found is not None:
             key, func = found
             self.cache[key] = CacheEntry(func, tensor)

@@ -14,14 +14,13 @@ Op positions are counted identically by all of them and by the profiler
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from gradckpt.engine.decisions import SAVE, PolicyContext, as_decision
+from gradckpt.engine.decisions import RECOMPUTE, SAVE, PolicyContext, as_decision
 
 if TYPE_CHECKING:
     from gradckpt.engine.frame import Frame
@@ -61,6 +60,32 @@ _UNCOUNTED = {
 def counts_as_op(func: Any) -> bool:
     """Whether an op gets a position in a region (plans index ops by it)."""
     return func not in _UNCOUNTED
+
+
+class _OpInfo:
+    """What the modes ask about an op on every dispatch, worked out once per op."""
+
+    __slots__ = ("call", "counted", "func", "kept", "key", "writes")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func  # keeps the op, hence its id, alive
+        self.key = id(func)  # hashing an OpOverload runs Python; its id does not
+        # OpOverload.__call__ is a Python frame around ``_op``: call that directly.
+        self.call = func._op if type(func) is torch._ops.OpOverload else func
+        self.counted = func not in _UNCOUNTED
+        # View ops cost nothing and alias their input: rerun, never kept (see replay_key).
+        self.kept = self.counted and not _is_view(func)
+        self.writes = written_args(func)
+
+
+_INFO: dict[int, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _INFO.get(id(func))
+    if info is None or info.func is not func:
+        info = _INFO[id(func)] = _OpInfo(func)
+    return info
 
 
 _WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
@@ -117,8 +142,10 @@ def _is_view(func: Any) -> bool:
     return bool(getattr(func, "is_view", False))
 
 
-def replay_key(func: Any, occurrences: collections.Counter[Any]) -> tuple[Any, int]:
+def replay_key(op: Any, occurrences: dict[Any, int]) -> tuple[Any, int]:
     """Key of a kept output: the op and how many times it ran before in the region.
+
+    ``op`` names the op: the modes pass its ``id`` (an OpOverload hashes in Python).
 
     The recompute finds kept outputs by this key, as torch's selective
     checkpointing does, not by the op's position: tools that hook module calls
@@ -128,9 +155,9 @@ def replay_key(func: Any, occurrences: collections.Counter[Any]) -> tuple[Any, i
     into the next identical layer. View ops take no part: they cost nothing, so
     they are rerun rather than kept.
     """
-    n = occurrences[func]
-    occurrences[func] = n + 1
-    return (func, n)
+    n = occurrences.get(op, 0)
+    occurrences[op] = n + 1
+    return (op, n)
 
 
 class CacheEntry:
@@ -140,6 +167,10 @@ class CacheEntry:
 
     def __init__(self, func: Any, outputs: Any) -> None:
         self.func = func
+        if type(outputs) is torch.Tensor:  # the common case, without pytree's walk
+            self.outputs = _detach_keeping_version(outputs)
+            self.versions = (outputs._version,)
+            return
         self.outputs = tree_map(_detach_keeping_version, outputs)
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         self.versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in flat)
@@ -148,6 +179,12 @@ class CacheEntry:
         flat = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
         return all(v is None or t._version == v for t, v in zip(flat, self.versions))
 
+    def replay(self) -> Any:
+        """A fresh alias of the kept outputs (autograd attaches the recompute's graph to it)."""
+        if type(self.outputs) is torch.Tensor:
+            return _detach_keeping_version(self.outputs)
+        return tree_map(_detach_keeping_version, self.outputs)
+
 
 class PolicyMode(TorchDispatchMode):
     """Forward of a region with a policy: number ops, ask the policy, keep SAVE outputs."""
@@ -155,25 +192,30 @@ class PolicyMode(TorchDispatchMode):
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
-        self.occurrences: collections.Counter[Any] = collections.Counter()
+        self.occurrences: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The hot path of a selective region's forward: one call per op, so the
+        # op's facts come from _op_info and nothing here hashes the op itself.
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func not in _UNCOUNTED:
+        info = _op_info(func)
+        out = info.call(*args, **kwargs)
+        if info.counted:
             frame = self.frame
             index = frame.op_count
             frame.op_count = index + 1
             ctx = PolicyContext(index=index, region=frame.name, output=out)
             policy = frame.policy
-            decision = as_decision(policy(ctx, func, *args, **kwargs), func, policy)
-            if _is_view(func):
-                return out  # free to redo and aliases its input: never kept (see replay_key)
-            key = replay_key(func, self.occurrences)
+            decision = policy(ctx, func, *args, **kwargs)
+            if decision is not SAVE and decision is not RECOMPUTE:
+                decision = as_decision(decision, func, policy)
+            if not info.kept:
+                return out  # a view: free to redo and aliases its input (see replay_key)
+            key = replay_key(info.key, self.occurrences)
             if decision is SAVE:
                 frame.cache[key] = CacheEntry(func, out)
             elif isinstance(out, torch.Tensor):
-                frame.producers[out] = (key, func)
+                frame.note_producer(out, key, func)
         return out
 
 
@@ -183,27 +225,32 @@ class RecomputeMode(TorchDispatchMode):
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
-        self.occurrences: collections.Counter[Any] = collections.Counter()
+        self.occurrences: dict[Any, int] = {}
         self.local: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _UNCOUNTED or _is_view(func):
-            return func(*args, **kwargs)
+        info = _op_info(func)
+        if not info.kept:
+            return info.call(*args, **kwargs)
         cache = self.frame.cache  # empty for plain checkpointing: no key to count then
-        entry = cache.get(replay_key(func, self.occurrences)) if cache else None
-        if entry is not None and entry.func is func and entry.intact():
-            # A fresh alias each time: autograd attaches this recompute's graph to
-            # the returned tensor, and the cache must not keep that graph alive.
-            return tree_map(_detach_keeping_version, entry.outputs)
-        positions, names = written_args(func)
+        if cache:
+            entry = cache.get(replay_key(info.key, self.occurrences))
+            if entry is not None and entry.func is func and entry.intact():
+                # A fresh alias each time: autograd attaches this recompute's graph to
+                # the returned tensor, and the cache must not keep that graph alive.
+                return entry.replay()
+        positions, names = info.writes
         if positions or names:
             args, kwargs = self._redirect_writes(args, kwargs, positions, names)
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
         local = self.local
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                local.add(_storage_key(t))
+        if type(out) is torch.Tensor:
+            local.add(out.untyped_storage()._cdata)  # _storage_key, inlined: once per op
+        else:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    local.add(_storage_key(t))
         return out
 
     def _redirect_writes(self, args, kwargs, positions, names):

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.apply.select import candidate_plans, fastest_measured, pick_fastest
+from gradckpt.apply.select import (
+    candidate_plans,
+    fastest_measured,
+    pick_fastest,
+    whole_unit_plan,
+)
 from gradckpt.planning import Plan
+from gradckpt.planning.plan import UnitChoice
 from gradckpt.testing import make
 
 
@@ -28,9 +34,29 @@ def test_candidates_fit_the_budget_and_start_with_the_planners_choice():
     assert found[0] is chosen and 1 < len(found) <= 4
     assert len({p.items for p in found}) == len(found)
     assert all(p.predicted_peak_bytes <= chosen.budget_bytes for p in found)
-    assert [p.predicted_step_time for p in found[1:]] == sorted(
-        p.predicted_step_time for p in found[1:]
-    )
+    whole = whole_unit_plan(prof, chosen.budget_bytes)
+    rest = found[1:]
+    if whole is not None and whole.items != chosen.items:
+        assert found[1].items == whole.items  # per-layer style is always measured
+        rest = found[2:]
+    assert [p.predicted_step_time for p in rest] == sorted(p.predicted_step_time for p in rest)
+
+
+def test_whole_unit_plan_keeps_or_recomputes_units_whole_and_beats_every_block():
+    ex = make("gpt", layers=4, d_model=32, heads=2, seq=16, vocab=64, batch=2)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    every = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profile=prof, solver="every_block")
+    budget = every.predicted_peak_bytes
+    whole = whole_unit_plan(prof, budget)
+    assert whole is not None
+    assert all(isinstance(i, UnitChoice) and i.mode in ("keep", "recompute") for i in whole.items)
+    assert whole.predicted_peak_bytes <= budget
+    # The DP over keep/recompute can always fall back to every block: never predicted slower.
+    assert whole.predicted_step_time <= every.predicted_step_time * (1 + 1e-9)
+    chosen = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    found = candidate_plans(prof, chosen, 2)
+    if whole.items != chosen.items:
+        assert [p.items for p in found] == [chosen.items, whole.items]
 
 
 def test_fit_measures_candidates_in_a_known_number_of_steps_and_leaves_state():

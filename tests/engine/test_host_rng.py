@@ -115,3 +115,54 @@ def test_regions_that_draw_nothing_skip_the_host_replay():
     assert noisy_state.python_rng is not None
     assert (noisy_state.numpy_rng is not None) == (np is not None)
     del keep
+
+
+def _numpy_draws_replayed(np, draw) -> None:
+    def fn(x):
+        return x * float(draw()) * x
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for cached in (False, True):
+        np.random.seed(3)
+        # One normal draw leaves the pair's second Gaussian cached; a uniform one does not.
+        (np.random.standard_normal if cached else np.random.rand)()
+        state = np.random.get_state()
+        expected = torch.autograd.grad(fn(x).sum(), x)[0]  # plain, from this state
+        np.random.set_state(state)
+        out = gradckpt.checkpoint(fn, x)
+        (got,) = torch.autograd.grad(out.sum(), x)
+        assert torch.equal(got, expected), f"{draw.__name__}, cached Gaussian: {cached}"
+
+
+def test_numpy_draws_are_replayed_whether_or_not_a_gaussian_is_cached():
+    # The check for "did the region draw" reads NumPy's raw generator words
+    # when no Gaussian is cached; a draw that only takes the cached Gaussian
+    # leaves those words alone, so then the full state is compared. Both must
+    # still replay the region's draws.
+    np = pytest.importorskip("numpy")
+    _numpy_draws_replayed(np, np.random.standard_normal)
+    _numpy_draws_replayed(np, np.random.rand)
+
+
+def test_numpy_state_read_once_per_region_when_no_gaussian_is_cached(monkeypatch):
+    np = pytest.importorskip("numpy")
+    from gradckpt.engine import state as engine_state
+
+    if engine_state._numpy_words() is None:
+        pytest.skip("this NumPy's generator words cannot be read in place")
+    np.random.seed(4)  # nothing cached
+    reads = []
+    real = engine_state._numpy_state
+    monkeypatch.setattr(engine_state, "_numpy_state", lambda: reads.append(1) or real())
+    frames = []
+
+    def quiet(x):
+        frames.append(gradckpt.engine.active_frame()[0])
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = gradckpt.checkpoint(quiet, x)
+    assert len(reads) == 1  # at capture only: the words told that nothing was drawn
+    assert frames[0]._state.numpy_rng is None
+    out.sum().backward()
+    assert len(reads) == 1  # and nothing is replayed

@@ -250,6 +250,30 @@ def test_save_names_keeps_the_tagged_op(shape):
     assert ops["aten.addmm.default"] == 1
 
 
+def test_tag_finds_only_the_very_tensor_an_op_made_and_forgets_after_the_forward():
+    # Producers are kept by id with a weak reference: an id reused by another
+    # tensor after the first died must not name the dead tensor's op.
+    frames = []
+
+    def body(x):
+        frame, running = gradckpt.engine.active_frame()
+        made = x.sin()
+        if running is not None:  # the recompute: nothing to check
+            return made * x.cos()
+        frames.append(frame)
+        assert frame._producer(made) is not None
+        key = next(iter(frame.producers))
+        impostor = x.cos()
+        frame.producers[id(impostor)] = (frame.producers[key][0], *frame.producers[key][1:])
+        assert frame._producer(impostor) is None  # the reference is not to this tensor
+        return made * impostor
+
+    x = torch.randn(3, requires_grad=True)
+    out = gradckpt.checkpoint(body, x, policy=policies.save_names("h"))
+    assert frames[0].producers == {}  # tag() only applies while the forward runs
+    out.sum().backward()
+
+
 def test_tag_outside_a_region_returns_tensor_and_validates_name():
     t = torch.randn(2)
     assert gradckpt.tag(t, "x") is t
