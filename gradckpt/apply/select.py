@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import apply, remove
+from gradckpt.engine.decisions import Keep, Recompute
 from gradckpt.measure.timing import work_clock
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.chain import ChainModel
@@ -45,6 +46,8 @@ _LEANER = (0.97, 0.92)
 #: A candidate must beat the predicted-best one by this share of the plain step to
 #: replace it: closer than that, the measurement cannot tell them apart.
 MARGIN = 0.03
+#: The decisions that keep or recompute a unit whole (per-layer checkpointing's shape).
+_WHOLE = (Keep, Recompute)
 
 
 def _planner(source: Profile | Planner, segments: bool) -> Planner:
@@ -53,7 +56,7 @@ def _planner(source: Profile | Planner, segments: bool) -> Planner:
 
 def _whole_units(model: ChainModel) -> ChainModel:
     """The DP chain with each unit's selective options removed and no segments."""
-    picks = [[i for i, o in enumerate(opts) if o.mode != "selective"] for opts in model.options]
+    picks = [[i for i, o in enumerate(opts) if type(o) in _WHOLE] for opts in model.options]
     stages = tuple(
         replace(stage, options=tuple(stage.options[i] for i in pick), joins_previous=False)
         for stage, pick in zip(model.chain.stages, picks)
@@ -63,7 +66,7 @@ def _whole_units(model: ChainModel) -> ChainModel:
 
 
 def _whole(items: tuple) -> bool:
-    return all(isinstance(i, UnitChoice) and i.mode != "selective" for i in items)
+    return all(isinstance(i, UnitChoice) and type(i.decision) in _WHOLE for i in items)
 
 
 def whole_unit_plan(source: Profile | Planner, budget: int) -> Plan | None:
