@@ -88,11 +88,6 @@ class Planner:
         """The dynamic program over :attr:`chain`, built on first use."""
         return ChainDP(self.chain.chain)
 
-    @cached_property
-    def flat_dp(self) -> ChainDP:
-        """The dynamic program over :attr:`chain` without segments, built on first use."""
-        return ChainDP(without_segments(self.chain).chain)
-
     def budget_bytes(self, budget: int | float | str) -> int:
         """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
         return parse_budget(budget, self.profile.measured_peak_bytes)
@@ -120,8 +115,7 @@ class Planner:
             return solve(self.profile, nbytes, solver, segments=self.segments, offload=offload)
         if solver == "dp":
             return solve(self.profile, nbytes, "dp", segments=self.segments,
-                         model=self.chain, dp=self.dp,
-                         flat_dp=lambda: self.flat_dp)  # fmt: skip
+                         model=self.chain, dp=self.dp)  # fmt: skip
         return solve(self.profile, nbytes, solver, segments=self.segments)
 
     def least_peak(self) -> tuple[Plan, Prediction]:

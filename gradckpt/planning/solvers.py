@@ -178,13 +178,10 @@ def without_segments(model: ChainModel) -> ChainModel:
 
 
 def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
-             dp: ChainDP | None = None, segments: bool = True,
-             flat_dp: Callable[[], ChainDP] | None = None) -> Plan:  # fmt: skip
+             dp: ChainDP | None = None, segments: bool = True) -> Plan:  # fmt: skip
     """The least-recompute plan whose simulated peak fits ``budget`` bytes.
 
     ``segments=False``: only single-unit regions (no segments), e.g. for FSDP.
-    ``flat_dp``: gives the tables of ``model`` without segments, if they are kept
-    elsewhere (a segment plan is checked against the best plan without segments).
 
     Example:
         >>> plan = solve_dp(prof, 600 << 20)
@@ -193,25 +190,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     if not segments and any(st.joins_previous for st in model.chain.stages):
         model = without_segments(model)
         dp = None
-    plan = _solve_on(profile, budget, model, dp or ChainDP(model.chain), segments)
-    if segments and any(isinstance(item, Segment) for item in plan.items):
-        # The DP's model of a segment runs a little low (about 7% on deep GPTs), so
-        # its segment plan can simulate slower than the best plan without segments
-        # at the same budget; that one is cheap to find (no nested tables).
-        flat = without_segments(model)
-        try:
-            alternative = _solve_on(profile, budget, flat, flat_dp() if flat_dp else ChainDP(flat.chain), False)
-        except BudgetError:
-            return plan
-        if alternative.predicted_step_time < plan.predicted_step_time:
-            return alternative
-    return plan
-
-
-def _solve_on(
-    profile: Profile, budget: int, model: ChainModel, dp: ChainDP, segments: bool
-) -> Plan:
-    """:func:`solve_dp`'s search with this chain and these tables."""
+    dp = dp or ChainDP(model.chain)
     top = model.to_units(budget)
     least = dp.least_feasible()
     tried: set[tuple] = set()
@@ -381,7 +360,6 @@ def solve(
     model: ChainModel | None = None,
     dp: ChainDP | None = None,
     offload: OffloadOptions | None = None,
-    flat_dp: Callable[[], ChainDP] | None = None,
 ) -> Plan:
     """Run a solver by name (see ``SOLVERS``) or a solver callable.
 
@@ -415,7 +393,7 @@ def solve(
 
         chosen = solve_offload(profile, budget, offload, segments=segments)
     elif solver == "dp":
-        chosen = solve_dp(profile, budget, model=model, dp=dp, segments=segments, flat_dp=flat_dp)
+        chosen = solve_dp(profile, budget, model=model, dp=dp, segments=segments)
     else:
         chosen = SOLVERS[solver](profile, budget)
     name = solver if isinstance(solver, str) else chosen.solver

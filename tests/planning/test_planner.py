@@ -45,12 +45,10 @@ def test_chain_and_dp_are_built_once_for_every_question(zoo, builds):
         planner.plan(budget)
     planner.frontier(points=6)
     planner.explain(0.8)
-    # The tables without segments are built once too, only if a segment plan needed them.
-    flat = int("flat_dp" in vars(planner))
-    assert builds == {"chain": 1, "dp": 1 + flat}
+    assert builds == {"chain": 1, "dp": 1}
     planner.least_peak()  # its own chain, on times estimated from FLOPs (see least_peak_plan)
     planner.least_peak()
-    assert builds == {"chain": 2, "dp": 2 + flat}
+    assert builds == {"chain": 2, "dp": 2}
 
 
 def test_planner_answers_as_the_solvers_and_the_api_do(zoo):
@@ -90,6 +88,5 @@ def test_cli_plan_builds_the_chain_once(builds, capsys, tmp_path):
     assert main(["plan", "tiny-gpt", "--budget", "0.8", "--repeats", "1", "--json",
                  "--out", str(tmp_path / "p.json")]) == 0  # fmt: skip
     # One chain and DP for the plan and the explanation, one (on estimated times)
-    # for the least feasible peak it reports; and the tables without segments
-    # once more, only when the DP's plan had a segment to check against them.
-    assert builds["chain"] == 2 and builds["dp"] in (2, 3)
+    # for the least feasible peak it reports.
+    assert builds == {"chain": 2, "dp": 2}
