@@ -21,8 +21,6 @@ loopback port, each writing its results with ``torch.save``.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -109,47 +107,11 @@ def _main(out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tmp_path_factory, launch_ranks) -> list[dict]:
     pytest.importorskip("torch.distributed.fsdp")
     out_dir = tmp_path_factory.mktemp("compiled_fsdp")
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        )  # fmt: skip
-        log = open(out_dir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, __file__, str(out_dir)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        tail = "\n".join(f"--- rank {i} (exit {rc}) ---\n{texts[i][-3000:]}" for i, rc in failed)
-        pytest.fail(f"ranks failed or timed out ({TIMEOUT_S}s):\n{tail}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return launch_ranks(__file__, [str(out_dir)], out_dir, WORLD, TIMEOUT_S)
 
 
 def test_compiled_fsdp_runs_the_broadcast_plan_that_checkpoints(ranks):

@@ -11,8 +11,6 @@ averages the gradients (what the collectives compute).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -168,53 +166,6 @@ def _main(scenario: str, out_dir: str) -> None:
 # ------------------------------------------------------------------ launching
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(scenario: str, out_dir: Path) -> list[dict]:
-    port = _free_port()
-    procs = []
-    logs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        )  # fmt: skip
-        log = open(out_dir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, scenario, str(out_dir)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    if failed:
-        tail = "\n".join(f"--- rank {i} (exit {rc}) ---\n{texts[i][-3000:]}" for i, rc in failed)
-        pytest.fail(f"{scenario} ranks failed or timed out ({TIMEOUT_S}s):\n{tail}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
 def _reference(step: int) -> tuple[dict, list[torch.Tensor]]:
     """Single process: both ranks' halves with their seeds, gradients averaged."""
     ex = make("gpt", **GPT)
@@ -235,14 +186,16 @@ def _assert_grads(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
+def fsdp(tmp_path_factory, launch_ranks):
     pytest.importorskip("torch.distributed.fsdp")
-    return _launch("fsdp", tmp_path_factory.mktemp("fsdp"))
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    return launch_ranks(__file__, ["fsdp", str(out_dir)], out_dir, WORLD, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return _launch("ddp", tmp_path_factory.mktemp("ddp"))
+def ddp(tmp_path_factory, launch_ranks):
+    out_dir = tmp_path_factory.mktemp("ddp")
+    return launch_ranks(__file__, ["ddp", str(out_dir)], out_dir, WORLD, TIMEOUT_S)
 
 
 # --------------------------------------------------------------------- tests
