@@ -37,7 +37,7 @@ from gradckpt.profiling.records import Profile, UnitRecord
 
 if TYPE_CHECKING:  # both import the simulator, which imports this module
     from gradckpt.planning.chain import ChainModel
-    from gradckpt.planning.simulate import Region
+    from gradckpt.planning.regions import Region
 
 __all__ = [
     "EngineCounts",

@@ -32,7 +32,8 @@ from gradckpt.engine.decisions import Offload
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.handlers import handler_for
 from gradckpt.planning.plan import Plan, Segment, UnitChoice
-from gradckpt.planning.simulate import Prediction, Region, regions_of, simulate
+from gradckpt.planning.regions import Region, regions_of
+from gradckpt.planning.simulate import Prediction, simulate
 from gradckpt.profiling.records import NEVER, Profile
 
 __all__ = [

@@ -9,7 +9,8 @@ names:
 * the chain builder (:mod:`gradckpt.planning.chain`): which options a unit offers
   the DP, what each holds between forward and backward, what it recomputes;
 * the engine-cost model (:mod:`gradckpt.planning.costs`): its engine events;
-* the simulator (:mod:`gradckpt.planning.simulate`): the region it opens, if any;
+* the simulator (:mod:`gradckpt.planning.simulate`): the region it opens, if any,
+  and the plan-wide effect of all its units (:meth:`KindHandler.plan_effect`);
 * the runtime (:mod:`gradckpt.apply`): its per-op policy, whether a compiled
   body may run it, and how its wrapper runs it;
 * the summaries: how it reads.
@@ -34,7 +35,9 @@ from gradckpt.engine.decisions import Decision
 if TYPE_CHECKING:
     from gradckpt.planning.chain import _Lookup as Lookup
     from gradckpt.planning.costs import EngineCounts
-    from gradckpt.planning.simulate import Region
+    from gradckpt.planning.effects import StepEffect
+    from gradckpt.planning.plan import Plan
+    from gradckpt.planning.regions import Region
     from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = ["KindHandler", "forget", "handler_for", "handlers", "register"]
@@ -94,6 +97,16 @@ class KindHandler:
 
     def region(self, profile: Profile, unit: UnitRecord, decision: Decision) -> Region | None:
         """The simulator's region for the unit (None: it runs plainly)."""
+        return None
+
+    def plan_effect(self, profile: Profile, plan: Plan) -> StepEffect | None:
+        """What this kind's units of ``plan`` do to the simulated step together (None: nothing
+        beyond their regions).
+
+        Called once per simulation for each kind the plan uses. A kind whose units
+        interact (a stash, a copy queue) says here what leaves or joins the device
+        and what compute waits for; ``Offload``'s is the example.
+        """
         return None
 
     # ----------------------------------------------------------------- runtime

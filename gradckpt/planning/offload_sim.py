@@ -16,6 +16,10 @@ It follows the engine (:mod:`gradckpt.engine.offload`) event for event:
 * compute waits for a copy out when its sources are dropped and for a copy
   back at the unit's first unpack; :func:`run_timeline` turns that into stalls.
 
+:func:`step_effect` hands that to the simulator as a generic
+:class:`~gradckpt.planning.effects.StepEffect` (the Offload handler's
+``plan_effect``).
+
 Example:
     >>> effect = offload_effect(prof, plan, plan.offload)
     >>> effect.host_bytes, effect.stall
@@ -28,6 +32,7 @@ import itertools
 from dataclasses import dataclass
 
 from gradckpt.engine.decisions import Offload
+from gradckpt.planning.effects import Buffer, StepEffect
 from gradckpt.planning.offload_cost import (
     Compute,
     Issue,
@@ -47,6 +52,7 @@ __all__ = [
     "moved_storages",
     "offload_effect",
     "stage_stall",
+    "step_effect",
 ]
 
 
@@ -150,6 +156,32 @@ def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None)
     )  # fmt: skip
     stall, by_unit = _stalls(profile, units)
     return OffloadEffect(tuple(units), moved, sum(m.nbytes for m in units), stall, by_unit)
+
+
+def step_effect(profile: Profile, effect: OffloadEffect) -> StepEffect:
+    """The offload as the simulator applies it: moved storages are held by the stash, not
+    their saved tensors, until dropped, and come back as reload buffers at the load,
+    live until their saved tensors are released.
+
+    Example:
+        >>> step_effect(prof, offload_effect(prof, plan, plan.offload)).buffers
+    """
+    released: dict[int, int] = {}  # storage -> last release of its moved saved tensors
+    for pid in effect.moved_packs:
+        pack = profile.packs[pid]
+        released[pack.storage] = max(released.get(pack.storage, 0), pack.release)
+    dropped = [m for m in effect.units if not m.held]
+    return StepEffect(
+        released_packs=effect.moved_packs,
+        live_until={sid: m.drop for m in dropped for sid in m.storages},
+        buffers=tuple(
+            Buffer(profile.storages[sid].nbytes, m.load, released[sid])
+            for m in dropped
+            for sid in m.storages
+        ),
+        stall=effect.stall,
+        host_bytes=effect.host_bytes,
+    )
 
 
 def _stalls(profile: Profile, units: list[MovedUnit]) -> tuple[float, dict[str, float]]:

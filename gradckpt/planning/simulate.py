@@ -13,10 +13,10 @@ would run the plan:
 * inside a segment's recompute, nested regions keep their inputs (and kept
   outputs) until their own recompute, which happens at their first unpack.
 
-Units the plan offloads (:mod:`gradckpt.planning.offload_sim`) run plainly, but
-their moved storages stop being held by their saved tensors once the stash
-drops them, and come back as reload buffers at the prefetch; the copies'
-stalls are added to the step time.
+A kind whose units act on the plan as a whole (``Offload``'s stash and copy
+queue) hands the simulator a :class:`~gradckpt.planning.effects.StepEffect`
+(its handler's ``plan_effect``): saved tensors that stop holding their storage,
+storages kept live until a position, buffers it adds, and seconds compute waits.
 
 Everything else (backward allocations, gradients, storages the plain step
 keeps) stays where the profile measured it.
@@ -31,22 +31,18 @@ to 512 bytes). So the prediction is of the allocator's peak; tests hold it to
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from gradckpt.engine.decisions import Offload
-from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.planning.costs import engine_seconds, plan_counts, step_costs
+from gradckpt.planning.effects import StepEffect, combined
+from gradckpt.planning.event_line import EventLine, Position, Workspace, plain_at, shared_events
 from gradckpt.planning.handlers import handler_for
-from gradckpt.planning.offload_sim import OffloadEffect, offload_effect
-from gradckpt.planning.per_profile import per_profile
-from gradckpt.planning.plan import Plan, Segment, UnitChoice, iter_units
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.regions import Region, regions_of
 from gradckpt.profiling.records import NEVER, Profile
 
 __all__ = ["Prediction", "Region", "live_trace", "region_state_bytes", "regions_of", "simulate"]
@@ -70,35 +66,12 @@ class Prediction:
     peak_workspace_op: int = -1
     #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
     engine_time: float = 0.0
-    #: Seconds compute waits for offload copies (simulated link); in step_time.
+    #: Seconds compute waits for plan-wide effects (offload's copies on the simulated
+    #: link); in step_time.
     offload_stall: float = 0.0
-    #: Bytes the plan's offloaded units hold in host memory at once (at the end of forward).
+    #: Bytes the plan's effects hold in host memory at once (offloaded units, at the end
+    #: of forward).
     host_bytes: int = 0
-
-
-class Position(NamedTuple):
-    """A place on the simulated event line; positions sort in the order events happen.
-
-    A recompute's events sit just before the event that triggers it (its first
-    unpack): ``step`` one less, ``phase`` 0, ordered among themselves by
-    ``depth`` (a nested recompute runs inside its parent's) and ``offset``.
-    The line holds positions as plain tuples in this field order: they compare
-    the same, and list.sort compares plain tuples fastest (building NamedTuples
-    cost a tenth of a simulation, and mixing them with plain tuples a twentieth,
-    measured). Read one with ``Position._make(position)``.
-    """
-
-    step: int  # the plain step's position (see gradckpt.profiling.records)
-    phase: int  # 0: a recompute's event, placed before the plain event at step + 1; 1: plain
-    depth: int  # nesting depth of the recompute (0 outside any)
-    offset: float  # inside a recompute: op k of the region at k, frees between ops at +-0.5
-
-
-class Workspace(NamedTuple):
-    """A kernel's workspace on the line: its bytes and the op that held it."""
-
-    nbytes: int
-    op: int
 
 
 class Recomputed(NamedTuple):
@@ -108,179 +81,10 @@ class Recomputed(NamedTuple):
     stop: int
 
 
-class _ForwardStorage(NamedTuple):
-    """A storage made in the forward, as every simulation of a profile reads it."""
-
-    id: int
-    nbytes: int  # as the line counts them (allocator blocks on CUDA)
-    alloc: tuple  # a Position
-    free: int  # where it dies before any plan keeps it (natural free, or its measured free)
-    packs: tuple[int, ...]  # saved tensors holding it
-
-
 # A storage a recompute makes again is a list [nbytes, alloc, free] (mutable: its free
 # moves later as saved tensors and nested regions hold it; a slotted object there cost
 # a tenth of a simulation, measured).
 _FREE = 2
-
-
-@dataclass
-class Region:
-    """A checkpointed region in profile terms (units by index, ops by global index)."""
-
-    units: list[int]
-    first_op: int
-    end_op: int
-    save: frozenset[int] = frozenset()
-    inputs: frozenset[int] = frozenset()
-    children: list[Region] = field(default_factory=list)
-    packs: list[int] = field(default_factory=list)  # all packs in this region's span
-
-
-def _unit_index(profile: Profile) -> dict[str, int]:
-    return {u.path: u.index for u in profile.units}
-
-
-def _region(profile: Profile, item: UnitChoice | Segment, index: dict[str, int]) -> Region | None:
-    if isinstance(item, UnitChoice):  # what the unit's decision opens, if anything
-        unit = profile.units[index[item.path]]
-        return handler_for(item.decision).region(profile, unit, item.decision)
-    units = [profile.units[index[u.path]] for u in iter_units(item.items)]
-    for before, after in itertools.pairwise(units):
-        if after.index != before.index + 1 or not after.chained:
-            raise ValueError(
-                f"a segment must span consecutive units that hand their output to the next; "
-                f"{before.path} -> {after.path} is not such a step in the profiled forward"
-            )
-    inputs = set(units[0].inputs)
-    for u in units[1:]:
-        inputs.update(s for s in u.inputs if s != u.chain_input)
-    children = [r for r in (_region(profile, i, index) for i in item.items) if r is not None]
-    return Region(
-        [u.index for u in units], units[0].first_op, units[-1].end_op, frozenset(),
-        frozenset(inputs), children,
-    )  # fmt: skip
-
-
-def regions_of(profile: Profile, plan: Plan) -> list[Region]:
-    """The plan's top-level regions, with every pack assigned to the regions spanning it."""
-    index = _unit_index(profile)
-    missing = [u.path for u in plan.units if u.path not in index]
-    if missing:
-        raise ValueError(f"the plan names units the profile does not have: {missing}")
-    tops = [r for r in (_region(profile, i, index) for i in plan.items) if r is not None]
-    owner: dict[int, list[Region]] = {}
-
-    def assign(region: Region, chain: list[Region]) -> None:
-        for u in region.units:
-            owner.setdefault(u, [])
-        for child in region.children:
-            assign(child, [*chain, child])
-        for u in region.units:
-            if not owner[u] or len(owner[u]) < len(chain):
-                owner[u] = chain
-
-    for top in tops:
-        assign(top, [top])
-    for pack in profile.packs:
-        for region in owner.get(pack.unit, ()):
-            region.packs.append(pack.id)
-    return tops
-
-
-class _Line:
-    """Allocations and frees as (position, -delta); positions are sortable tuples.
-
-    The delta is stored negated so that a plain sort puts, at one position,
-    allocations before frees. ``static`` holds events every plan of the profile
-    shares, already sorted (see :func:`_static_line`).
-    """
-
-    def __init__(self, cuda: bool = False, static: tuple[list, dict] | None = None) -> None:
-        self.events: list[tuple[tuple, int]] = []
-        self.cuda = cuda
-        self.static: list[tuple[tuple, int]] = static[0] if static else []
-        # position -> (bytes, op)
-        self.workspace_of: dict[tuple, Workspace] = dict(static[1]) if static else {}
-
-    def add(self, nbytes: int, alloc: tuple, free: tuple | None) -> None:
-        if self.cuda:
-            nbytes = allocator_block_bytes(nbytes)
-        self.events.append((alloc, -nbytes))
-        if free is not None:
-            self.events.append((free, nbytes))
-
-    def transient(self, nbytes: int, at: tuple, op: int) -> None:
-        """``nbytes`` held only while the op at ``at`` runs, on top of its outputs."""
-        if nbytes <= 0:
-            return
-        # After the op's outputs appear (the same position, allocations first)
-        # and gone before anything else happens.
-        self.events.append((at, -nbytes))
-        after = (*at[:-1], at[-1] + 0.25)  # the same Position, offset + 0.25
-        self.events.append((after, nbytes))
-        self.workspace_of[at] = Workspace(nbytes, op)
-
-    def trace(self) -> tuple[list[tuple], list[int]]:
-        """Positions and live bytes after each event, in order."""
-        # At one position, allocations come before frees (an op's inputs are
-        # still alive when its outputs appear). The shared events are one sorted
-        # run and this plan's another: the sort merges them in linear time.
-        self.events.sort()
-        events = self.static + self.events
-        events.sort()
-        positions = list(map(operator.itemgetter(0), events))
-        lives = list(itertools.accumulate(map(operator.neg, map(operator.itemgetter(1), events))))
-        return positions, lives
-
-
-@dataclass(frozen=True)
-class _Shared:
-    """What every simulation of one profile reads the same way, built once per profile
-    (the solver simulates dozens of plans of one profile)."""
-
-    #: Sorted events no plan changes: backward allocations and each op's workspace.
-    static: tuple[list, dict]
-    #: Per storage: bytes as the line counts them (allocator blocks on CUDA).
-    nbytes: list[int]
-    #: Per storage: forward ops completed when it dies naturally (NEVER: outlives the forward).
-    natural_op: list[int]
-    #: Storages made in the forward.
-    forward: list[_ForwardStorage]
-
-
-@per_profile
-def _shared(profile: Profile) -> _Shared:
-    cuda = profile.device == "cuda"
-    line = _Line(cuda=cuda)
-    for s in profile.storages:
-        if s.producer >= profile.forward_ops:
-            line.add(s.nbytes, _at(s.alloc), None if s.free == NEVER else _at(s.free))
-    for op in profile.ops:
-        line.transient(op.workspace, _at(op.position), op.index)
-    line.events.sort()
-    positions = [op.position for op in profile.ops[: profile.forward_ops]]
-    natural = [
-        NEVER if s.natural_free == NEVER else bisect.bisect_left(positions, s.natural_free)
-        for s in profile.storages
-    ]
-    nbytes = [allocator_block_bytes(s.nbytes) if cuda else s.nbytes for s in profile.storages]
-    packs_of: dict[int, list[int]] = {}
-    for pack in profile.packs:
-        if pack.storage >= 0:
-            packs_of.setdefault(pack.storage, []).append(pack.id)
-    forward = [
-        _ForwardStorage(s.id, nbytes[s.id], _at(s.alloc),
-                        s.natural_free if s.natural_free != NEVER else s.free,
-                        tuple(packs_of.get(s.id, ())))
-        for s in profile.storages if s.producer < profile.forward_ops
-    ]  # fmt: skip
-    return _Shared((line.events, line.workspace_of), nbytes, natural, forward)
-
-
-def _at(position: int) -> tuple:
-    """The plain step's own event at ``position`` (a Position, as a plain tuple)."""
-    return (position, 1, 0, 0.0)
 
 
 @functools.cache
@@ -303,18 +107,13 @@ def region_state_bytes(profile: Profile) -> int:
 
 class _Simulator:
     def __init__(
-        self, profile: Profile, regions: list[Region], offload: OffloadEffect | None = None
+        self, profile: Profile, regions: list[Region], effect: StepEffect | None = None
     ) -> None:
         self.p = profile
         self.regions = regions
-        self.offload = offload
-        # Moved storages stay live until the offload stash drops them.
-        self.dropped_at = {
-            sid: m.drop for m in (offload.units if offload else ()) if not m.held
-            for sid in m.storages
-        }  # fmt: skip
-        self.shared = _shared(profile)
-        self.line = _Line(cuda=profile.device == "cuda", static=self.shared.static)
+        self.effect = effect
+        self.shared = shared_events(profile)
+        self.line = EventLine(cuda=profile.device == "cuda", static=self.shared.static)
         self.rng_bytes = region_state_bytes(profile)
         self.recompute_time = 0.0
         self.recompute_by_unit: dict[int, float] = {}
@@ -346,45 +145,32 @@ class _Simulator:
                     held_until[sid] = max(held_until.get(sid, 0), death)
         # Forward storages (those allocated in backward are in the shared events).
         # This loop and recompute's run once per simulated plan: written for speed.
-        # An offloaded unit's moved storages are not held by its saved tensors but
-        # until the offload stash drops them (they come back in add_offload).
-        events, packs = self.line.events, p.packs
-        moved = self.offload.moved_packs if self.offload is not None else frozenset()
-        dropped = self.dropped_at
+        # The plan-wide effect's released saved tensors do not hold their storage;
+        # its own holds (a stash) do.
+        events, packs, effect = self.line.events, p.packs, self.effect
+        released = effect.released_packs if effect is not None else frozenset()
+        live_until = effect.live_until if effect is not None else None
         for sid, nbytes, alloc, free, pids in self.shared.forward:
             for pid in pids:
-                if pid not in top_of_pack and packs[pid].release > free and pid not in moved:
+                if pid not in top_of_pack and packs[pid].release > free and pid not in released:
                     free = packs[pid].release
             held = held_until.get(sid, 0)
             if held > free:
                 free = held
-            if dropped and dropped.get(sid, 0) > free:
-                free = dropped[sid]
+            if live_until and live_until.get(sid, 0) > free:
+                free = live_until[sid]
             events.append((alloc, -nbytes))
             if free < NEVER:
                 events.append(((free, 1, 0, 0.0), nbytes))
-        if self.offload is not None:
-            self.add_offload(self.offload)
+        for buffer in effect.buffers if effect is not None else ():
+            self.line.add(buffer.nbytes, plain_at(buffer.alloc), plain_at(buffer.free))
         for region in self.regions:
             if self.rng_bytes:
-                opened = _at(p.ops[region.first_op].position - 1)
-                self.line.add(self.rng_bytes, opened, _at(self.death(region)))
+                opened = plain_at(p.ops[region.first_op].position - 1)
+                self.line.add(self.rng_bytes, opened, plain_at(self.death(region)))
             start = self.first_unpack(region)
             if start < NEVER:
                 self.recompute(region, start, 0, {})
-
-    def add_offload(self, effect: OffloadEffect) -> None:
-        """Moved storages come back as reload buffers at the prefetch, live until released."""
-        p = self.p
-        released: dict[int, int] = {}  # storage -> last release of its moved saved tensors
-        for pid in effect.moved_packs:
-            pack = p.packs[pid]
-            released[pack.storage] = max(released.get(pack.storage, 0), pack.release)
-        for m in effect.units:
-            if m.held:
-                continue
-            for sid in m.storages:
-                self.line.add(p.storages[sid].nbytes, _at(m.load), _at(released[sid]))
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
         p = self.p
@@ -435,7 +221,7 @@ class _Simulator:
             child_end = (child_start - 1, 0, depth + 1, float(child.end_op - child.first_op + 1))
             if self.rng_bytes:  # the child's frame, made by this recompute, keeps its RNG state
                 made = here(child.first_op - region.first_op - 0.5)
-                self.line.add(self.rng_bytes, made, _at(self.death(child)))
+                self.line.add(self.rng_bytes, made, plain_at(self.death(child)))
             kept = set(child.inputs) | {s for op in child.save for s in p.ops[op].outputs}
             for sid in kept:
                 if sid in visible:
@@ -455,12 +241,12 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         >>> pred = simulate(prof, plan)
         >>> pred.peak_bytes, pred.overhead
     """
-    effect = _offload(profile, plan)
+    effect = _plan_effect(profile, plan)
     sim = _Simulator(profile, regions_of(profile, plan), effect)
     sim.run()
     positions, lives = sim.line.trace()
     peak = max(lives, default=0)
-    where = positions[lives.index(peak)] if lives else _at(0)  # the first at the peak
+    where = positions[lives.index(peak)] if lives else plain_at(0)  # the first at the peak
     workspace, op = sim.line.workspace_of.get(where, Workspace(0, -1))
     # The engine's own costs (issue #16): measured per event, counted per plan.
     engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
@@ -482,16 +268,17 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     )
 
 
-def _offload(profile: Profile, plan: Plan) -> OffloadEffect | None:
-    if not any(isinstance(getattr(u, "decision", None), Offload) for u in plan.items):
-        return None
-    return offload_effect(profile, plan, plan.offload)
+def _plan_effect(profile: Profile, plan: Plan) -> StepEffect | None:
+    """The plan-wide effects of the kinds the plan uses, as one (None: none has any)."""
+    kinds = dict.fromkeys(type(u.decision) for u in plan.units)  # in plan order
+    effects = (handler_for(kind).plan_effect(profile, plan) for kind in kinds)
+    return combined(e for e in effects if e is not None)
 
 
 def live_trace(profile: Profile, plan: Plan) -> tuple[list[int], list[int], float]:
     """Event positions (plain-step coordinates, recompute events just before their
     trigger) and live created bytes after each event, plus the recompute time."""
-    sim = _Simulator(profile, regions_of(profile, plan), _offload(profile, plan))
+    sim = _Simulator(profile, regions_of(profile, plan), _plan_effect(profile, plan))
     sim.run()
     positions, lives = sim.line.trace()
     return [p[0] for p in positions], lives, sim.recompute_time  # each Position's step

@@ -5,9 +5,9 @@ In the planner (only when the chain is built with offload options,
 holds on the device what it does not move (:func:`moved_storages`: what the
 unit made itself, not its output, at least ``min_bytes``), and whose time adds
 the copies' stall with the next unit's compute as overlap windows
-(:func:`stage_stall`); never inside a segment's recompute. The simulator's
-effect (stash, prefetched reload buffers, copy queue) is
-:mod:`gradckpt.planning.offload_sim`; at run time one
+(:func:`stage_stall`); never inside a segment's recompute. Its plan-wide
+effect in the simulator (stash, prefetched reload buffers, copy queue;
+:meth:`OffloadHandler.plan_effect`) is :mod:`gradckpt.planning.offload_sim`; at run time one
 :class:`~gradckpt.engine.offload_runtime.OffloadRuntime` per applied plan
 orders the copies of all offloaded units (:mod:`gradckpt.engine.offload`).
 """
@@ -19,10 +19,12 @@ from typing import Any
 from gradckpt.engine.decisions import Decision, Offload
 from gradckpt.engine.offload_runtime import OffloadRuntime
 from gradckpt.planning.chain import _Lookup
+from gradckpt.planning.effects import StepEffect
 from gradckpt.planning.handlers import register
 from gradckpt.planning.kinds.keep import KeepHandler
 from gradckpt.planning.offload_cost import OffloadOptions
-from gradckpt.planning.offload_sim import moved_storages, stage_stall
+from gradckpt.planning.offload_sim import moved_storages, offload_effect, stage_stall, step_effect
+from gradckpt.planning.plan import Plan, UnitChoice
 from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = ["OFFLOAD", "OffloadHandler"]
@@ -56,6 +58,14 @@ class OffloadHandler(KeepHandler):
             return 0.0
         moved = moved_storages(profile, unit, options.min_bytes)
         return stage_stall(profile, look.units, index, moved, options)
+
+    def plan_effect(self, profile: Profile, plan: Plan) -> StepEffect | None:
+        """The stash, reload buffers and copy stalls of the plan's top-level offloaded units
+        (nested ones run as Keep)."""
+        top = (i.decision for i in plan.items if isinstance(i, UnitChoice))
+        if not any(isinstance(decision, Offload) for decision in top):
+            return None
+        return step_effect(profile, offload_effect(profile, plan, plan.offload))
 
     def install(self, plan: Any) -> OffloadRuntime:
         options = getattr(plan, "offload", None) or OffloadOptions()

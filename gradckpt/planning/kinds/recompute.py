@@ -9,7 +9,7 @@ from gradckpt.engine.decisions import RECOMPUTE, Decision, Recompute
 from gradckpt.planning.chain import _Lookup, _stop
 from gradckpt.planning.costs import EngineCounts, region_counts
 from gradckpt.planning.handlers import KindHandler, register
-from gradckpt.planning.simulate import Region
+from gradckpt.planning.regions import Region
 from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = ["RecomputeHandler"]
