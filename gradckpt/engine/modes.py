@@ -75,7 +75,7 @@ class _OpInfo:
         self.counted = func not in _UNCOUNTED
         # View ops cost nothing and alias their input: rerun, never kept (see replay_key).
         self.kept = self.counted and not _is_view(func)
-        self.writes = written_args(func)
+        self.writes = _schema_writes(func)
 
 
 _INFO: dict[int, _OpInfo] = {}
@@ -86,9 +86,6 @@ def _op_info(func: Any) -> _OpInfo:
     if info is None or info.func is not func:
         info = _INFO[id(func)] = _OpInfo(func)
     return info
-
-
-_WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 
 
 def _undeclared_writes() -> dict[Any, tuple[int, ...]]:
@@ -106,21 +103,29 @@ _UNDECLARED_WRITES = _undeclared_writes()
 
 
 def written_args(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Positions and keyword names of the arguments an op writes to, from its schema."""
-    found = _WRITES.get(func)
-    if found is None:
-        positions, names = [], []
-        schema = getattr(func, "_schema", None)
-        for i, arg in enumerate(schema.arguments if schema is not None else ()):
-            info = arg.alias_info
-            if info is not None and info.is_write:
-                if arg.kwarg_only:
-                    names.append(arg.name)
-                else:
-                    positions.append(i)
-        positions.extend(_UNDECLARED_WRITES.get(func, ()))
-        found = _WRITES[func] = (tuple(sorted(set(positions))), tuple(names))
-    return found
+    """Positions and keyword names of the arguments an op writes to, from its schema.
+
+    Worked out once per op, in the modes' per-op cache (the profiler asks on every op).
+
+    Example:
+        >>> written_args(torch.ops.aten.add_.Tensor)
+        ((0,), ())
+    """
+    return _op_info(func).writes
+
+
+def _schema_writes(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    positions, names = [], []
+    schema = getattr(func, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        info = arg.alias_info
+        if info is not None and info.is_write:
+            if arg.kwarg_only:
+                names.append(arg.name)
+            else:
+                positions.append(i)
+    positions.extend(_UNDECLARED_WRITES.get(func, ()))
+    return tuple(sorted(set(positions))), tuple(names)
 
 
 def _storage_key(t: torch.Tensor) -> int:
