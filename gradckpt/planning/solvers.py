@@ -1,11 +1,11 @@
 """Solvers: ``(profile, budget_bytes) -> Plan``, all judged by the same simulator.
 
 ``dp`` is the reference (the chain dynamic program of :mod:`gradckpt.planning.dp`).
-The baselines are the schemes frameworks make users pick by hand: ``none``,
-``every_block``, ``every_kth`` (the largest k that fits), ``sqrt`` (Chen et
-al.'s sqrt(N) segments) and ``save_matmuls`` (selective checkpointing of every
-block). Each returns a plan with its predictions filled in, or raises
-:class:`BudgetError` when its scheme does not fit.
+The baselines (:mod:`gradckpt.planning.baselines`) are the schemes frameworks
+make users pick by hand: ``none``, ``every_block``, ``every_kth`` (the largest k
+that fits), ``sqrt`` (Chen et al.'s sqrt(N) segments) and ``save_matmuls``
+(selective checkpointing of every block). Each returns a plan with its
+predictions filled in, or raises :class:`BudgetError` when its scheme does not fit.
 """
 
 from __future__ import annotations
@@ -14,10 +14,19 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from gradckpt.engine.decisions import KEEP, RECOMPUTE, Selective
 from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.baselines import (
+    every_kth_plan,
+    finish,
+    fit,
+    largest_every_kth,
+    none_plan,
+    plannable_units,
+    save_matmuls_plan,
+    sqrt_plan,
+)
 from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.chain import _MATMUL_NAMES, ChainModel, build_chain
+from gradckpt.planning.chain import ChainModel, build_chain
 from gradckpt.planning.costs import with_engine_costs
 from gradckpt.planning.dp import ChainDP, Tree, UnitStep
 from gradckpt.planning.offload_cost import OffloadOptions
@@ -25,17 +34,21 @@ from gradckpt.planning.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.planning.polish import polish, repair
 from gradckpt.planning.simulate import Prediction, simulate
 from gradckpt.profiling.fake import SPEEDS, estimate_time
-from gradckpt.profiling.records import Profile, UnitRecord
+from gradckpt.profiling.records import Profile
 
 __all__ = [
     "SOLVERS",
     "Solver",
     "check_plannable",
+    "every_kth_plan",
     "finish",
     "least_peak_plan",
+    "none_plan",
+    "save_matmuls_plan",
     "schedule_plan",
     "solve",
     "solve_dp",
+    "sqrt_plan",
     "without_segments",
 ]
 
@@ -44,33 +57,6 @@ Solver = Callable[[Profile, int], Plan]
 # its model is exact for uniform plans only, so its answer slightly above the
 # budget may still fit on the simulator, and one slightly below may be needed.
 _RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
-
-
-def finish(
-    profile: Profile, plan: Plan, budget: int | None, solver: str, pred: Prediction | None = None
-) -> tuple[Plan, Prediction]:
-    """Fill in a plan's predictions from the simulator (``pred``: already simulated)."""
-    pred = pred or simulate(profile, plan)
-    return (
-        replace(
-            plan,
-            budget_bytes=budget,
-            predicted_peak_bytes=pred.peak_bytes,
-            baseline_peak_bytes=profile.measured_peak_bytes,
-            predicted_step_time=pred.step_time,
-            baseline_step_time=profile.step_time,
-            predicted_recompute_flops=pred.recompute_flops,
-            solver=solver,
-            input_shapes=profile.input_shapes,
-            not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
-            peak_level=profile.peak_level,
-        ),
-        pred,
-    )
-
-
-def _plannable(profile: Profile) -> tuple[UnitRecord, ...]:
-    return tuple(u for u in profile.units if u.plannable)
 
 
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
@@ -238,100 +224,13 @@ def _written(nbytes: int) -> str:
     return f"{format_bytes(nbytes, round_up=True)} ({nbytes} bytes)"
 
 
-# ------------------------------------------------------------------ baselines
-
-
-def _uniform(profile: Profile, choose: Callable[[UnitRecord, int], UnitChoice]) -> Plan:
-    blocks = [u for u in _plannable(profile) if u.is_block]
-    order = {u.index: i for i, u in enumerate(blocks)}
-    items = tuple(
-        choose(u, order[u.index]) if u.is_block else UnitChoice(u.path) for u in _plannable(profile)
-    )
-    return Plan(items, profile.fingerprint)
-
-
-def _fit(profile: Profile, plan: Plan, budget: int, name: str) -> Plan:
-    plan, pred = finish(profile, plan, budget, name)
-    if pred.peak_bytes > budget:
-        raise BudgetError(
-            f"the {name} scheme peaks at {format_bytes(pred.peak_bytes)}, over the budget of "
-            f"{format_bytes(budget)}",
-            least_peak_bytes=pred.peak_bytes,
-        )
-    return plan
-
-
-def none_plan(profile: Profile) -> Plan:
-    return Plan(tuple(UnitChoice(u.path) for u in _plannable(profile)), profile.fingerprint)
-
-
-def every_kth_plan(profile: Profile, k: int) -> Plan:
-    return _uniform(profile, lambda u, i: UnitChoice(u.path, RECOMPUTE if i % k == 0 else KEEP))
-
-
-def save_matmuls_plan(profile: Profile) -> Plan:
-    def choose(u: UnitRecord, i: int) -> UnitChoice:
-        ops = [
-            op for op in profile.unit_ops(u)
-            if op.name in _MATMUL_NAMES and op.outputs
-            and not any(profile.storages[s].mutated for s in op.outputs)
-        ]  # fmt: skip
-        if not ops:
-            return UnitChoice(u.path, RECOMPUTE)
-        return UnitChoice(
-            u.path, Selective(tuple(op.local for op in ops), tuple(op.name for op in ops))
-        )
-
-    return _uniform(profile, choose)
-
-
-def sqrt_plan(profile: Profile) -> Plan:
-    """Chen et al.: segments of about sqrt(N) chained blocks that keep only their input."""
-    units = _plannable(profile)
-    blocks = [u for u in units if u.is_block]
-    size = max(2, round(math.sqrt(len(blocks))))
-    items: list[Item] = []
-    run: list[UnitRecord] = []
-
-    def flush() -> None:
-        while run:
-            part, run[:] = run[:size], run[size:]
-            if len(part) >= 2:
-                items.append(Segment(tuple(UnitChoice(u.path) for u in part)))
-            else:
-                items.append(UnitChoice(part[0].path, RECOMPUTE))
-
-    for u in units:
-        joins = run and u.is_block and u.chained and run[-1].index == u.index - 1
-        if u.is_block and (joins or not run):
-            run.append(u)
-            continue
-        flush()
-        if u.is_block:
-            run.append(u)
-        else:
-            items.append(UnitChoice(u.path))
-    flush()
-    return Plan(tuple(items), profile.fingerprint)
-
-
-def _every_kth(profile: Profile, budget: int) -> Plan:
-    blocks = [u for u in _plannable(profile) if u.is_block]
-    for k in range(max(1, len(blocks)), 0, -1):
-        try:
-            return _fit(profile, every_kth_plan(profile, k), budget, f"every_kth(k={k})")
-        except BudgetError:
-            continue
-    raise BudgetError(f"checkpointing every k-th block does not fit {format_bytes(budget)}")
-
-
 SOLVERS: dict[str, Solver] = {
     "dp": solve_dp,
-    "none": lambda p, b: _fit(p, none_plan(p), b, "none"),
-    "every_block": lambda p, b: _fit(p, every_kth_plan(p, 1), b, "every_block"),
-    "every_kth": _every_kth,
-    "sqrt": lambda p, b: _fit(p, sqrt_plan(p), b, "sqrt"),
-    "save_matmuls": lambda p, b: _fit(p, save_matmuls_plan(p), b, "save_matmuls"),
+    "none": lambda p, b: fit(p, none_plan(p), b, "none"),
+    "every_block": lambda p, b: fit(p, every_kth_plan(p, 1), b, "every_block"),
+    "every_kth": largest_every_kth,
+    "sqrt": lambda p, b: fit(p, sqrt_plan(p), b, "sqrt"),
+    "save_matmuls": lambda p, b: fit(p, save_matmuls_plan(p), b, "save_matmuls"),
 }
 
 
@@ -341,7 +240,7 @@ def check_plannable(profile: Profile) -> None:
     Example:
         >>> check_plannable(prof)
     """
-    if not _plannable(profile):
+    if not plannable_units(profile):
         raise ValueError(
             "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
             "step with ops of its own (units are the model's children and its repeated "
