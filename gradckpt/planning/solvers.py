@@ -33,6 +33,7 @@ from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.planning.polish import polish, repair
 from gradckpt.planning.simulate import Prediction, simulate
+from gradckpt.planning.whole_unit import faster_baseline
 from gradckpt.profiling.fake import SPEEDS, estimate_time
 from gradckpt.profiling.records import Profile
 
@@ -145,10 +146,16 @@ def _timeless(profile: Profile) -> Profile:
 
 
 def _polished(
-    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel
-) -> Plan:
-    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled in."""
+    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel,
+    segments: bool = True,
+) -> Plan:  # fmt: skip
+    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled
+    in; or a whole-unit baseline that simulates faster within the budget (the DP's segment
+    model runs low: :mod:`gradckpt.planning.whole_unit`)."""
     polished, polished_pred = polish(profile, plan, budget, model, pred)
+    faster = faster_baseline(profile, model, polished, polished_pred, budget, segments=segments)
+    if faster is not None:
+        polished, polished_pred = faster
     return finish(profile, polished, budget, "dp", polished_pred)[0]
 
 
@@ -200,15 +207,15 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
                     repaired, fixed = repair(profile, before, budget, model)
                     if fixed.peak_bytes <= budget and fixed.step_time < pred.step_time:
                         plan, pred = repaired, fixed
-                return _polished(profile, plan, pred, budget, model)
+                return _polished(profile, plan, pred, budget, model, segments)
     # The DP's model is a little off for this plan shape: repair its plans on the simulator.
     if lowest is not None:
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
-            return _polished(profile, repaired, pred, budget, model)
+            return _polished(profile, repaired, pred, budget, model, segments)
     leanest, pred = least_peak_plan(profile, segments=segments)
     if pred.peak_bytes <= budget:
-        return _polished(profile, leanest, pred, budget, model)
+        return _polished(profile, leanest, pred, budget, model, segments)
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
