@@ -40,8 +40,8 @@ from gradckpt.planning.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.simulate import Prediction, Region, regions_of, simulate
 from gradckpt.profiling.records import NEVER, Profile
 
-# The result types live in gradckpt.planning.explanation; they are re-exported
-# here, where callers have always imported them from.
+# The result types live in gradckpt.planning.explanation (which has no __all__
+# of its own); this is their public list, where callers have always imported them.
 __all__ = [
     "OUTSIDE",
     "STATUSES",

@@ -18,16 +18,6 @@ from typing import Any
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.plan import Plan
 
-__all__ = [
-    "OUTSIDE",
-    "STATUSES",
-    "Explanation",
-    "PeakInfo",
-    "SavedStorage",
-    "UnitCost",
-    "format_shape",
-]
-
 OUTSIDE = "(outside units)"
 STATUSES = ("kept", "region input", "selective", "recomputed", "offloaded")
 
