@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gradckpt"
 
 # Lowest first. A module may import its own layer and the ones before it.
 LAYERS = (
-    "support",  # gradckpt.testing, gradckpt._versioned: import nothing of gradckpt
+    "support",  # gradckpt.testing.*, gradckpt._versioned: nothing of gradckpt outside themselves
     "engine",
     "policies",
     "measure",
@@ -30,6 +30,7 @@ LAYERS = (
 )
 # Module name (or a prefix ending with ".") -> layer. The first match wins.
 _WHERE = (
+    ("gradckpt.testing.", "support"),
     ("gradckpt.testing", "support"),
     ("gradckpt._versioned", "support"),
     ("gradckpt.engine.", "engine"),

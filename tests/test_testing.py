@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -176,16 +174,18 @@ def test_gpt_logits_outweigh_one_block_of_activations() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_default_sizes_are_fast(name: str) -> None:
+def test_default_sizes_are_small(name: str) -> None:
+    """A default-size step stays under 1 GFLOP, so tests built on it stay fast on 2 cores.
+
+    Counted, not timed: a wall-clock limit failed under load (0.63 s against 0.5 s)
+    with the models unchanged.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
     ex = make(name)
-    ex.loss_fn().backward()  # warm-up
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
+    with FlopCounterMode(display=False) as counter:
         ex.loss_fn().backward()
-        best = min(best, time.perf_counter() - start)
-    print(f"{name}: forward+backward {best * 1e3:.1f} ms")
-    assert best < 0.5
+    assert 0 < counter.get_total_flops() < 1e9
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "bn_convnet"])

@@ -25,18 +25,27 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
-
 from gradckpt.engine.decisions import Offload
-from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.explanation import (
+    OUTSIDE,
+    STATUSES,
+    Explanation,
+    PeakInfo,
+    SavedStorage,
+    UnitCost,
+    format_shape,
+)
 from gradckpt.planning.handlers import handler_for
 from gradckpt.planning.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.regions import Region, regions_of
 from gradckpt.planning.simulate import Prediction, simulate
 from gradckpt.profiling.records import NEVER, Profile
 
+# The result types live in gradckpt.planning.explanation (which has no __all__
+# of its own); this is their public list, where callers have always imported them.
 __all__ = [
+    "OUTSIDE",
+    "STATUSES",
     "Explanation",
     "PeakInfo",
     "SavedStorage",
@@ -44,192 +53,6 @@ __all__ = [
     "explain",
     "format_shape",
 ]
-
-OUTSIDE = "(outside units)"
-STATUSES = ("kept", "region input", "selective", "recomputed", "offloaded")
-
-
-@dataclass(frozen=True)
-class SavedStorage:
-    """One storage the plain step keeps for backward, and what the plan does with it (a row)."""
-
-    unit: str  # the unit that saves it (or holds it, for a region input); OUTSIDE if none
-    is_block: bool
-    op: str  # the op that produced it, e.g. "aten.addmm.default"
-    shape: tuple[int, ...] | None  # as saved (a view's shape); None if no op saves it
-    dtype: str
-    nbytes: int
-    status: str  # one of STATUSES
-    why: str
-    storage: int  # storage id in the profile
-    saved_by: int  # saved-tensor records (ops) that save this storage
-
-    @property
-    def kept(self) -> bool:
-        return self.status != "recomputed"
-
-
-@dataclass(frozen=True)
-class UnitCost:
-    """Per unit: the plan's decision, bytes it keeps and recomputes, recompute time."""
-
-    path: str
-    is_block: bool
-    decision: str
-    kept_bytes: int
-    recomputed_bytes: int
-    recompute_time: float  # seconds of its forward ops run again in backward
-    calls: int = 1  # times the unit runs per step (more than once: never checkpointed)
-
-
-@dataclass(frozen=True)
-class PeakInfo:
-    """Where the (predicted) peak occurs and what it is made of."""
-
-    peak_bytes: int
-    param_bytes: int
-    kept_bytes: int  # tensors kept for backward (rows with kept status) alive at the peak
-    other_bytes: int  # gradients, temporaries and recomputed activations
-    phase: str  # "forward" or "backward"
-    unit: str
-    op: str
-    #: Bytes the op's kernel allocates beyond its outputs, when they are part of the peak.
-    workspace_bytes: int = 0
-
-    def describe(self) -> str:
-        workspace = (
-            f", kernel workspace of {self.op.removeprefix('aten.')} "
-            f"{format_bytes(self.workspace_bytes)}"
-            if self.workspace_bytes
-            else ""
-        )
-        return (
-            f"peak {format_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
-            f"({self.op.removeprefix('aten.')}): parameters and buffers "
-            f"{format_bytes(self.param_bytes)}, tensors kept for backward "
-            f"{format_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
-            f"activations {format_bytes(self.other_bytes)}{workspace}"
-        )
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """What a step keeps for backward under a plan (or plainly), with totals and the peak."""
-
-    rows: tuple[SavedStorage, ...]
-    units: tuple[UnitCost, ...]
-    kept_bytes: int
-    recomputed_bytes: int
-    pre_existing_saved: int  # saved tensors that are parameters or inputs (not rows)
-    peak: PeakInfo
-    plain_peak_bytes: int
-    plan: Plan | None
-
-    def by_unit(self) -> dict[str, list[SavedStorage]]:
-        """Rows grouped by unit, in forward order."""
-        groups: dict[str, list[SavedStorage]] = {}
-        for row in self.rows:
-            groups.setdefault(row.unit, []).append(row)
-        return groups
-
-    def hints(self) -> list[str]:
-        """Plain-language conclusions about the peak."""
-        peak = self.peak
-        created = max(1, peak.peak_bytes - peak.param_bytes)
-        out = []
-        if peak.kept_bytes < 0.25 * created:
-            out.append(
-                f"the peak is during the {peak.phase} of {peak.unit}, and only "
-                f"{format_bytes(peak.kept_bytes)} of it is tensors kept for backward: the rest "
-                "is gradients and temporaries, which checkpointing does not remove; a smaller "
-                "batch or sequence (or fewer trainable parameters) lowers it"
-            )
-        elif self.plan is None:
-            out.append(
-                f"checkpointing can free at most {format_bytes(peak.kept_bytes)} at the peak "
-                "(the kept tensors alive there)"
-            )
-        if peak.workspace_bytes >= 0.1 * created:
-            out.append(
-                f"{format_bytes(peak.workspace_bytes)} of the peak is scratch memory that "
-                f"{peak.op.removeprefix('aten.')} allocates inside its kernel (measured at the "
-                "allocator); checkpointing does not shrink it, smaller inputs to that op do"
-            )
-        for u in self.units:
-            if u.calls > 1:
-                out.append(
-                    f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
-                    f"checkpoints it and keeps all it saves ({format_bytes(u.kept_bytes)}); "
-                    "to checkpoint it, wrap its calls in gradckpt.checkpoint yourself"
-                )
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": "gradckpt.Explanation",
-            "plan": self.plan.to_json() if self.plan is not None else None,
-            "rows": [
-                {**asdict(r), "shape": None if r.shape is None else list(r.shape)}
-                for r in self.rows
-            ],
-            "units": [asdict(u) for u in self.units],
-            "totals": {
-                "kept_bytes": self.kept_bytes,
-                "recomputed_bytes": self.recomputed_bytes,
-                "saved_storages": len(self.rows),
-                "pre_existing_saved": self.pre_existing_saved,
-            },
-            "peak": asdict(self.peak),
-            "plain_peak_bytes": self.plain_peak_bytes,
-            "hints": self.hints(),
-        }
-
-    def table(self) -> str:
-        """Rows grouped by unit, then totals and the peak, as plain text."""
-        lines = []
-        head = f"  {'op':<30} {'shape':<20} {'dtype':<9} {'bytes':>12}  {'status':<12} why"
-        for unit, rows in self.by_unit().items():
-            kept = sum(r.nbytes for r in rows if r.kept)
-            block = " (block)" if rows[0].is_block else ""
-            lines.append(f"{unit}{block}: keeps {format_bytes(kept)}")
-            lines.append(head)
-            for r in rows:
-                shape = format_shape(r.shape)
-                lines.append(
-                    f"  {r.op.removeprefix('aten.'):<30} {shape:<20} {r.dtype:<9} "
-                    f"{format_bytes(r.nbytes):>12}  {r.status:<12} {r.why}"
-                )
-        lines += [
-            "",
-            f"bytes kept for backward: {format_bytes(self.kept_bytes)} "
-            f"({sum(r.kept for r in self.rows)} storages)",
-            f"bytes recomputed in backward: {format_bytes(self.recomputed_bytes)} "
-            f"({sum(not r.kept for r in self.rows)} storages)",
-            *self._offloaded_line(),
-            f"saved parameters and inputs (not counted, they exist anyway): "
-            f"{self.pre_existing_saved}",
-            self.peak.describe(),
-            *(f"note: {h}" for h in self.hints()),
-        ]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def _offloaded_line(self) -> list[str]:
-        moved = [r for r in self.rows if r.status == "offloaded"]
-        if not moved:
-            return []
-        total = format_bytes(sum(r.nbytes for r in moved))
-        return [f"of which offloaded to host between forward and backward: {total} "
-                f"({len(moved)} storages)"]  # fmt: skip
-
-
-def format_shape(shape: tuple[int, ...] | None) -> str:
-    """'4x64x64', 'scalar' for (), '?' when unknown."""
-    if shape is None:
-        return "?"
-    return "x".join(map(str, shape)) or "scalar"
 
 
 # --------------------------------------------------------------------------- main API
@@ -264,6 +87,11 @@ def _plain(prof: Profile) -> Plan:
     return Plan(tuple(UnitChoice(u.path) for u in prof.units if u.plannable), prof.fingerprint)
 
 
+def _offloads(plan: Plan) -> bool:
+    """Whether any top-level unit of ``plan`` is offloaded to host memory."""
+    return any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items)
+
+
 def _label(region: Region, prof: Profile) -> str:
     paths = [prof.units[i].path for i in region.units]
     if len(paths) == 1:
@@ -288,7 +116,7 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
             out[item.path] = f"in {segment}, {mode} there" if segment else mode
 
     visit(plan.items, "")
-    if any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
+    if _offloads(plan):
         from gradckpt.planning.offload_sim import describe_offload
 
         out.update(describe_offload(prof, plan))
@@ -371,7 +199,7 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
 
 def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
     """Storage id -> why, for what the plan's offloaded units move to host memory."""
-    if plan is None or not any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items):
+    if plan is None or not _offloads(plan):
         return {}
     from gradckpt.planning.offload_sim import offload_effect
 

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["SPEEDS", "DeviceSpeed", "estimate_time", "fake_model"]
+from gradckpt.profiling.records import Profile
+
+__all__ = [
+    "SPEEDS",
+    "DeviceSpeed",
+    "check_fake_device",
+    "estimate_time",
+    "fake_device_of",
+    "fake_model",
+    "with_estimated_times",
+]
 
 
 @dataclass(frozen=True)
@@ -80,3 +90,52 @@ def fake_model(
     finally:
         for table, name, original in reversed(swapped):
             table[name] = original
+
+
+def check_fake_device(device: torch.device) -> None:
+    """Refuse a fake device this torch build cannot make, with what to do instead."""
+    # Fake tensors on a device type this torch build lacks abort the interpreter
+    # deep in C++ instead of raising: refuse first.
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if device.type not in ("cpu", "meta") and callable(available) and not available():
+        raise ValueError(
+            f"fake profiling on {device.type!r} needs a torch build with {device.type} support; "
+            "profile with device='cpu' on this machine (attention kernels may save slightly "
+            "different tensors than on the GPU), or run the planner where the device exists"
+        )
+
+
+def fake_device_of(model: nn.Module) -> torch.device:
+    """Where a fake profile claims to run: the parameters' device, 'cpu' for a meta model."""
+    for t in [*model.parameters(), *model.buffers()]:
+        return torch.device("cpu") if t.device.type == "meta" else t.device
+    return torch.device("cpu")
+
+
+def with_estimated_times(prof: Profile, device: torch.device) -> Profile:
+    """Op times from FLOPs and bytes (a fake step cannot be timed)."""
+    speed = SPEEDS.get(device.type, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed),
+        )
+        for op in prof.ops
+    )
+    units = tuple(
+        replace(
+            u,
+            fwd_time=sum(op.time for op in ops if op.unit == u.index and not op.backward),
+            bwd_time=sum(op.time for op in ops if op.unit == u.index and op.backward),
+        )
+        for u in prof.units
+    )
+    return replace(
+        prof,
+        ops=ops,
+        units=units,
+        step_time=sum(op.time for op in ops),
+        fake=True,
+        device=device.type,
+    )

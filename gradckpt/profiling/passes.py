@@ -1,0 +1,137 @@
+"""One recorded pass of ``loss_fn().backward()``, and the unrecorded steps that time it.
+
+A pass runs under a :class:`~gradckpt.profiling.recorder.StepRecorder` with each
+unit's forward wrapped to note its calls, autograd's saved-tensor hooks, and
+(once) the allocator's memory events; it checks what ``loss_fn`` returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profiling.recorder import RecordMode, StepRecorder
+from gradckpt.profiling.state import StepState
+from gradckpt.profiling.units import Unit
+from gradckpt.profiling.workspace import allocator_events, op_workspaces
+
+__all__ = ["ProfileError", "run_pass", "time_plain_step"]
+
+
+class ProfileError(RuntimeError):
+    """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
+
+
+@contextlib.contextmanager
+def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
+    """Wrap each unit's forward (where gradckpt.apply puts regions) to note its calls."""
+    installed: list[tuple[nn.Module, Any, bool]] = []
+
+    def marker(index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def forward_marked(*args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            call = recorder.enter_unit(index, args, kwargs)
+            out = forward(*args, **kwargs)
+            recorder.exit_unit(call, out)
+            return out
+
+        return forward_marked
+
+    try:
+        for index, unit in enumerate(units):
+            module = unit.module
+            had_own = "forward" in module.__dict__
+            previous = module.__dict__.get("forward")
+            plain = getattr(module.forward, "__gradckpt_original__", module.forward)
+            module.forward = marker(index, plain)
+            installed.append((module, previous, had_own))
+        yield
+    finally:
+        # Last installed first: a module that is two units (shared by two parents)
+        # got two markers, the second wrapping the first.
+        for module, previous, had_own in reversed(installed):
+            if had_own:
+                module.forward = previous
+            else:
+                del module.forward
+
+
+_BACKWARD_INSIDE = (
+    "loss_fn ran backward() itself; gradckpt runs loss_fn().backward() while profiling, so "
+    "loss_fn must only run the forward and return the loss: move .backward() (and any "
+    "optimizer step) out of it"
+)
+
+
+def run_pass(
+    units: list[Unit],
+    loss_fn: Callable[[], torch.Tensor],
+    state: StepState,
+    *,
+    plain: bool,
+    device: str = "cpu",
+    allocator: torch.device | None = None,
+) -> StepRecorder:
+    """Run ``loss_fn`` once (and backward when ``plain``) under a recorder; returns it.
+
+    Example:
+        >>> recorder = run_pass(units, loss_fn, StepState(model), plain=True)
+    """
+    recorder = StepRecorder(units, keep_saved=plain)
+    hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
+    # With ``allocator``, the pass also runs under the allocator's memory events
+    # (each op in its own span): the step's allocator peak and per-op workspace.
+    with (
+        allocator_events(allocator) as events,
+        _unit_markers(units, recorder),
+        hooks,
+        RecordMode(recorder, device, mark_ops=events is not None),
+    ):
+        recorder.active = True
+        try:
+            loss = loss_fn()
+        except RuntimeError as e:
+            if "forward-only profiling pass cannot run backward" in str(e):
+                raise ProfileError(_BACKWARD_INSIDE) from e
+            raise
+        if any(p.grad is not None for p in state.params):  # they were cleared before the pass
+            raise ProfileError(_BACKWARD_INSIDE)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ProfileError(
+                "loss_fn must run one forward and return a scalar loss tensor that requires "
+                f"grad; it returned {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
+        recorder.forward = False
+        if plain:
+            loss.backward()
+        del loss
+        recorder.active = False
+    recorder.watcher.close()
+    if events is not None and allocator is not None:
+        recorder.workspaces = op_workspaces(recorder, events, allocator)
+        recorder.allocator_peak = events.peak_bytes
+    return recorder
+
+
+def time_plain_step(
+    loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int, device: str = "cpu"
+) -> float:
+    """The least time of ``repeats`` unrecorded steps on the op times' clock, in seconds."""
+    clock = work_clock(device)  # the clock the op times are on: overheads are their ratio
+    times = []
+    for _ in range(repeats):
+        guard.reset()
+        start = clock()
+        loss_fn().backward()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times.append(clock() - start)
+    return low_estimate(times)
