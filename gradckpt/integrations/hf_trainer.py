@@ -38,13 +38,12 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
-from gradckpt.planning.plan import Plan
+from gradckpt.integrations.first_batch import FirstBatchBudget, fit_on_batch
 
 __all__ = ["BudgetCallback"]
 
 
-class BudgetCallback(TrainerCallback):
+class BudgetCallback(FirstBatchBudget, TrainerCallback):
     """Plan and apply gradckpt on the Trainer's first training batch.
 
     Args:
@@ -73,11 +72,7 @@ class BudgetCallback(TrainerCallback):
         loss_from: Callable[[Any], torch.Tensor] | None = None,
         **plan_options: Any,
     ) -> None:
-        self.loss_from = checked_callback_options(budget, loss_from)
-        self.budget = budget
-        self.plan_options = plan_options
-        self.plan: Plan | None = None
-        self.report: BudgetReport | None = None
+        super().__init__(budget, loss_from=loss_from, **plan_options)
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._planning = False
         self._logged = False
