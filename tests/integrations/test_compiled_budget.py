@@ -38,15 +38,6 @@ def measured():
     torch._dynamo.reset()
 
 
-def _grads(ex, seed=1):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    ex.loss_fn().backward()
-    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
-    ex.model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_candidates_are_measured_and_model_left_plain(measured):
     ex, points = measured
     labels = [p.label for p in points]
@@ -74,23 +65,23 @@ def test_choice_never_over_budget_and_peak_monotone_in_budget(measured):
         choose(points, peaks[0] - 1)
 
 
-def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured):
+def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured, loss_and_grads):
     ex, points = measured
     torch._dynamo.reset()
     plain = make("gpt", **GPT)
-    ref = _grads(plain)
+    ref = loss_and_grads(plain)[1]
     gradckpt_points = [p for p in points if p.plan is not None]
     budget = min(p.peak_bytes for p in gradckpt_points)  # only the leanest fits, or less
     fit = fit_compiled(ex.model, ex.loss_fn, budget, points=points, backend="aot_eager")
     assert fit.chosen.peak_bytes <= budget
     for _ in range(2):  # warm: compile forward and backward
-        _grads(ex)
+        loss_and_grads(ex)
     ex.model.zero_grad(set_to_none=True)
     with AllocatorTracker() as again:
         ex.loss_fn().backward()
     peak = state_bytes(ex.model) + again.peak_bytes
     assert peak <= budget, (peak, budget, fit.chosen.label)
-    got = _grads(ex)
+    got = loss_and_grads(ex)[1]
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
 
