@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,17 +64,11 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
         True
     """
 
-    def __init__(
-        self,
-        budget: int | float | str,
-        *,
-        loss_from: Callable[[Any], torch.Tensor] | None = None,
-        **plan_options: Any,
-    ) -> None:
-        super().__init__(budget, loss_from=loss_from, **plan_options)
-        self._hook: torch.utils.hooks.RemovableHandle | None = None
-        self._planning = False
-        self._logged = False
+    # The arguments are FirstBatchBudget's. Until the first training batch: no
+    # hook, not planning, nothing logged (set per instance once that changes).
+    _hook: torch.utils.hooks.RemovableHandle | None = None
+    _planning = False
+    _logged = False
 
     # ------------------------------------------------------------------ Trainer events
 
