@@ -7,7 +7,7 @@ U-Net from ``gradckpt.testing``), contenders:
 * ``compile amb=F``: ``model.compile()`` with
   ``torch._functorch.config.activation_memory_budget = F`` (1.0 is the
   default), F in 1.0/0.7/0.5/0.3/0.1/0.0;
-* ``gradckpt F``: a gradckpt plan (no segments) at F of the eager peak, then
+* ``gradckpt F``: a gradckpt plan (segments allowed) at F of the eager peak, then
   ``gradckpt.compile`` (the plan inside the compiled graph);
 * ``gradckpt fused F``: the same, planned on the fused view of the profile
   (``compiled_budget.fused_profile``: ops without FLOPs cost no time, as the
@@ -64,6 +64,7 @@ from benchmarks.common import (
 )
 
 MODELS = ("gpt2", "llama", "unet")
+KINDS = ("compiler", "gradckpt", "knob", "bytes")
 FULL: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
     "llama": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
@@ -84,10 +85,12 @@ COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3, 0.2, 0.1)
 FUSED_FRACTIONS = (0.9, 0.8, 0.7)
 KNOB_BUDGETS = (0.9, 0.8, 0.6, 0.4, 0.2)
+SAVED_FRACTIONS = (0.8, 0.65, 0.55, 0.5, 0.45, 0.4, 0.3)
 QUICK_COMPILER_BUDGETS = (1.0, 0.0)
 QUICK_PLAN_FRACTIONS = (0.9,)
 QUICK_FUSED_FRACTIONS = (0.9,)
 QUICK_KNOB_BUDGETS = (0.5,)
+QUICK_SAVED_FRACTIONS = (0.5,)
 
 
 def _sizes(args: Any) -> dict[str, dict[str, Any]]:
@@ -120,6 +123,18 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
 
             functorch_config.activation_memory_budget = spec["budget"]
             ex.model.compile(backend=spec["backend"])
+        elif spec["kind"] == "bytes":
+            import torch._functorch.config as functorch_config
+
+            from gradckpt.integrations.compiled_knapsack import (
+                SavedBytesSolver,
+                saved_bytes_config,
+            )
+
+            # Set for the worker's life: the partitioner runs at the first step.
+            for key, value in saved_bytes_config(SavedBytesSolver(spec["fraction"])).items():
+                setattr(functorch_config, key, value)
+            ex.model.compile(backend=spec["backend"])
         elif spec["kind"] == "gradckpt":
             gradckpt.apply(ex.model, gradckpt.Plan.load(spec["plan"]))
             gradckpt.compile(ex.model, ex.loss_fn, backend=spec["backend"])
@@ -151,7 +166,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
 
 
 def _plans(model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path) -> dict[str, str]:
-    """gradckpt plans (segments off) at each fraction of the eager peak, saved for the workers.
+    """gradckpt plans (segments allowed) at each fraction of the eager peak, saved for the workers.
 
     ``fused`` fractions plan on the fused view of the profile; a plan equal to
     one already listed is not repeated.
@@ -170,7 +185,7 @@ def _plans(model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path
         for fraction in chosen:
             try:
                 budget = parse_budget(fraction, prof.measured_peak_bytes)
-                plan = solve(view, budget, "dp", segments=False)
+                plan = solve(view, budget, "dp", segments=True)
             except gradckpt.BudgetError:
                 continue
             if plan.items in seen:
@@ -188,6 +203,7 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
     fused = QUICK_FUSED_FRACTIONS if args.quick else FUSED_FRACTIONS
     knobs = QUICK_KNOB_BUDGETS if args.quick else KNOB_BUDGETS
+    saved = QUICK_SAVED_FRACTIONS if args.quick else SAVED_FRACTIONS
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
     for b in budgets:
         specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
@@ -195,6 +211,10 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
         specs[label] = dict(kind="gradckpt", plan=path, backend=args.backend)
     for b in knobs:
         specs[f"gradckpt knob amb={b:g}"] = dict(kind="knob", budget=b, backend=args.backend)
+    for f in saved:
+        specs[f"gradckpt bytes {f:g}"] = dict(kind="bytes", fraction=f, backend=args.backend)
+    kinds = set(args.kinds) | {"eager"}
+    specs = {label: spec for label, spec in specs.items() if spec["kind"] in kinds}
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
@@ -268,6 +288,7 @@ def _plot(data: dict[str, Any], path: Path) -> None:
             ("compiler", "s-"),
             ("gradckpt", "o-"),
             ("knob", "^:"),
+            ("bytes", "v-"),
             ("eager", "k*"),
         ):
             pts = sorted(
@@ -343,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=MODELS, default=None)
     p.add_argument("--backend", default=None, help="default inductor; aot_eager with --quick")
     p.add_argument("--small", action="store_true", help="smaller models (SMALL), inductor")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                   help="which contenders to run (eager always runs)")  # fmt: skip
     args = p.parse_args(argv)
     settle(args)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
@@ -355,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compiled benchmark: {model}, backend {args.backend}")
             results[model] = _bench_model(model, args, Path(folder))
             verdicts[model] = _verdicts(results[model])
-            verdicts_all[model] = _verdicts(results[model], ("gradckpt", "knob"))
+            verdicts_all[model] = _verdicts(results[model], ("gradckpt", "knob", "bytes"))
     info = machine_info(
         backend=args.backend, models=models, quick=args.quick, threads=args.threads,
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,

@@ -247,8 +247,8 @@ def fit(
             measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
         compile: True or ``torch.compile`` arguments: run the plan inside one
-            compiled graph (:func:`gradckpt.compile`; plans then have no
-            segments). A call at a new shape reinstalls the eager plan for it.
+            compiled graph (:func:`gradckpt.compile`; segments included). A call
+            at a new shape reinstalls the eager plan for it.
 
     Example:
         >>> plan = gradckpt.fit(model, loss_fn, budget=0.5)
@@ -256,8 +256,6 @@ def fit(
         >>> print(gradckpt.shape_stats(model).summary())
         >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
     """
-    if compile:
-        segments = False  # the compiler checkpoints one call per region: no segments
     _check_arguments(
         model,
         loss_fn,

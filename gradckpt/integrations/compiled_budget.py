@@ -6,14 +6,17 @@ outside the dispatcher. So :func:`fit_compiled` does not trust predictions:
 it compiles a handful of candidates and *measures* each compiled step's
 allocator peak and median time:
 
-* gradckpt plans (no segments) at several fractions of the eager peak, each
+* gradckpt plans (segments allowed) at several fractions of the eager peak, each
   executed by the compiler (:func:`gradckpt.apply.compiled.compile`);
 * the same from the *fused view* of the profile (:func:`fused_profile`): ops
   without FLOPs cost no time, as when the compiler fuses them into their
   neighbours, so the solver prefers plans that recompute pointwise ops and
   keep the matmuls (what the compiler's own partitioner does);
 * the compiler's own partitioner at ``activation_memory_budget`` values
-  (1.0 is ``torch.compile``'s default).
+  (1.0 is ``torch.compile``'s default);
+* the compiler's partitioner held to a cap in saved bytes, a fraction of what
+  its default saves, chosen on the compiled graph by gradckpt's knapsack
+  solver (:mod:`gradckpt.integrations.compiled_knapsack`).
 
 It then installs the fastest candidate whose measured peak fits the budget.
 Choosing from one measured table makes the result monotone: a larger budget
@@ -40,6 +43,7 @@ from torch import nn
 from gradckpt.apply.apply import apply, remove
 from gradckpt.apply.compiled import compile as compile_planned
 from gradckpt.apply.compiled import uncompile
+from gradckpt.integrations.compiled_knapsack import SavedBytesSolver, saved_bytes_config
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan
 from gradckpt.planning.budget import BudgetError, parse_budget
@@ -58,6 +62,10 @@ __all__ = [
 ]
 
 LossFn = Callable[[], torch.Tensor]
+# fit_compiled's options that shape the candidate set (the rest go to torch.compile).
+_CANDIDATE_OPTIONS = (
+    "plan_fractions", "fused_fractions", "compiler_budgets", "saved_fractions", "repeats"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class CompiledPoint:
     compiler_budget: float | None  # activation_memory_budget; None for gradckpt points
     peak_bytes: int
     step_time: float  # seconds, median
+    # SavedBytesSolver's cap (a fraction of the default's saved bytes); None otherwise
+    saved_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,18 +135,27 @@ def install(model: nn.Module, loss_fn: LossFn, point: CompiledPoint, **compile_k
         compile_planned(model, loss_fn, **compile_kwargs)
         return
     model.compile(**compile_kwargs)
-    budget = point.compiler_budget
-    if budget is not None and budget != 1.0:
+    partitioner = _partitioner_config(point)
+    if partitioner:
         compiled = model._compiled_call_impl
 
         def call(*args: Any, **kwargs: Any) -> Any:
             # Read when the joint graph is partitioned (first call, recompiles).
             import torch._functorch.config as functorch_config
 
-            with functorch_config.patch(activation_memory_budget=budget):
+            with functorch_config.patch(**partitioner):
                 return compiled(*args, **kwargs)
 
         model._compiled_call_impl = call
+
+
+def _partitioner_config(point: CompiledPoint) -> dict[str, Any]:
+    """The partitioner settings ``point`` compiles under (empty: torch.compile's default)."""
+    if point.saved_fraction is not None:
+        return saved_bytes_config(SavedBytesSolver(point.saved_fraction))
+    if point.compiler_budget is not None and point.compiler_budget != 1.0:
+        return {"activation_memory_budget": point.compiler_budget}
+    return {}
 
 
 def _measure(
@@ -156,10 +175,7 @@ def _measure(
         start = time.perf_counter()
         _step(model, loss_fn)
         times.append(time.perf_counter() - start)
-    return CompiledPoint(
-        point.label, point.plan, point.compiler_budget, peak,
-        statistics.median(times),
-    )  # fmt: skip
+    return replace(point, peak_bytes=peak, step_time=statistics.median(times))
 
 
 def measure_points(
@@ -169,6 +185,7 @@ def measure_points(
     plan_fractions: Iterable[float] = (0.8, 0.6, 0.45, 0.3, 0.15),
     fused_fractions: Iterable[float] = (0.9, 0.8),
     compiler_budgets: Iterable[float] = (1.0, 0.5, 0.1),
+    saved_fractions: Iterable[float] = (0.8, 0.6, 0.5, 0.4),
     repeats: int = 3,
     **compile_kwargs: Any,
 ) -> tuple[CompiledPoint, ...]:
@@ -185,6 +202,10 @@ def measure_points(
     candidates: list[CompiledPoint] = [
         CompiledPoint(f"compile amb={b:g}", None, float(b), 0, 0.0) for b in compiler_budgets
     ]
+    candidates += [
+        CompiledPoint(f"compile saved<={f:g}", None, None, 0, 0.0, saved_fraction=float(f))
+        for f in saved_fractions
+    ]
     seen: set[tuple] = set()
     views = (
         ("gradckpt", prof, plan_fractions),
@@ -194,9 +215,9 @@ def measure_points(
         for fraction in fractions:
             try:
                 budget = parse_budget(float(fraction), prof.measured_peak_bytes)
-                plan = solve(view, budget, "dp", segments=False)
+                plan = solve(view, budget, "dp", segments=True)
             except BudgetError:
-                continue  # below what plans without segments reach
+                continue  # below what any plan reaches
             if plan.items in seen:
                 continue
             seen.add(plan.items)
@@ -246,7 +267,8 @@ def fit_compiled(
         budget: allocator bytes one compiled step may add (int or "300MB"), or
             a fraction of the compiler default's measured peak.
         points: reuse a table from :func:`measure_points` (no re-measuring).
-        **options: ``plan_fractions``, ``fused_fractions``, ``compiler_budgets``, ``repeats`` and
+        **options: ``plan_fractions``, ``fused_fractions``, ``compiler_budgets``,
+            ``saved_fractions``, ``repeats`` and
             ``torch.compile`` arguments (``backend``, ``mode``, ...).
 
     Example:
@@ -255,7 +277,7 @@ def fit_compiled(
     """
     compile_kwargs = {
         k: v for k, v in options.items()
-        if k not in ("plan_fractions", "fused_fractions", "compiler_budgets", "repeats")
+        if k not in _CANDIDATE_OPTIONS
     }  # fmt: skip
     table = tuple(points) if points is not None else measure_points(model, loss_fn, **options)
     default = next((p for p in table if p.compiler_budget == 1.0), None)

@@ -192,3 +192,21 @@ def test_uncompile_restores_the_eager_plan(loss_and_grads, assert_steps_close, b
     assert before == {n: m.__dict__.get("forward") for n, m in ex.model.named_modules()}
     assert ex.model._compiled_call_impl is None
     assert_steps_close(ref, loss_and_grads(ex), atol=0)  # eager gradckpt again: bit-exact
+
+
+def test_fit_compile_keeps_segments_at_a_budget_only_they_reach(loss_and_grads, assert_steps_close):
+    """fit(compile=...) plans with segments; the compiled step runs them, plain gradients."""
+    ex = make("gpt")  # default sizes: its leanest plan needs a segment
+    ref = loss_and_grads(ex)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    planner = gradckpt.Planner(prof)
+    least, prediction = planner.least_peak()
+    assert any(isinstance(i, Segment) for i in least.items), "the leanest plan uses a segment"
+    with pytest.raises(gradckpt.BudgetError):  # below what plans without segments reach
+        gradckpt.Planner(prof, segments=False).plan(prediction.peak_bytes)
+    plan = gradckpt.fit(
+        ex.model, ex.loss_fn, budget=prediction.peak_bytes, profile=prof,
+        measure_candidates=0, compile={"backend": "aot_eager"},
+    )  # fmt: skip
+    assert any(isinstance(i, Segment) for i in plan.items) and compiled_plan(ex.model) == plan
+    assert_steps_close(ref, loss_and_grads(ex), atol=1e-5)

@@ -25,7 +25,7 @@ pytest.importorskip("torch._dynamo")
 GPT = dict(layers=3, d_model=32, heads=2, seq=64, vocab=128, batch=4, dropout=0.1)
 OPTIONS = dict(
     backend="aot_eager", plan_fractions=(0.8, 0.5, 0.3), compiler_budgets=(1.0, 0.5, 0.0),
-    repeats=1,
+    saved_fractions=(0.6, 0.3), repeats=1,
 )  # fmt: skip
 
 
@@ -42,7 +42,8 @@ def test_candidates_are_measured_and_model_left_plain(measured):
     ex, points = measured
     labels = [p.label for p in points]
     assert any(p.plan is not None for p in points), labels  # gradckpt plans were compiled
-    assert {p.compiler_budget for p in points if p.plan is None} == {1.0, 0.5, 0.0}
+    assert {p.compiler_budget for p in points if p.compiler_budget is not None} == {1.0, 0.5, 0.0}
+    assert {p.saved_fraction for p in points if p.saved_fraction is not None} == {0.6, 0.3}
     assert all(p.peak_bytes > 0 and p.step_time > 0 for p in points)
     assert ex.model._compiled_call_impl is None
     assert all("forward" not in m.__dict__ for m in ex.model.modules())
@@ -82,6 +83,31 @@ def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured, l
     peak = state_bytes(ex.model) + again.peak_bytes
     assert peak <= budget, (peak, budget, fit.chosen.label)
     got = loss_and_grads(ex)[1]
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch, loss_and_grads):
+    """The compiler's partitioner under gradckpt's byte cap, installed by fit_compiled."""
+    from gradckpt.integrations.compiled_knapsack import SavedBytesSolver
+
+    ex, points = measured
+    torch._dynamo.reset()
+    # Partition here, not from a cache.
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    partitioned = []
+    solve = SavedBytesSolver.__call__
+    monkeypatch.setattr(
+        SavedBytesSolver, "__call__",
+        lambda self, *a: partitioned.append(self.fraction) or solve(self, *a),
+    )  # fmt: skip
+    ref = loss_and_grads(make("gpt", **GPT))[1]
+    capped = [p for p in points if p.saved_fraction is not None]
+    fit = fit_compiled(ex.model, ex.loss_fn, max(p.peak_bytes for p in points), points=capped,
+                       backend="aot_eager")  # fmt: skip
+    assert fit.chosen.saved_fraction in (0.6, 0.3)
+    got = loss_and_grads(ex)[1]
+    assert partitioned and set(partitioned) == {fit.chosen.saved_fraction}
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
 
