@@ -86,7 +86,8 @@ def test_fit_compile_inductor_gives_plain_gradients(loss_and_grads, assert_steps
     ref = loss_and_grads(ex)
     with inductor_config.patch(fallback_random=True):
         plan = gradckpt.fit(ex.model, ex.loss_fn, budget=0.7, compile=True)
-        assert any(u.mode != "keep" for u in plan.units)
+        # Something is recomputed: a unit, or a segment (whose units read "keep").
+        assert any(isinstance(i, Segment) or i.mode != "keep" for i in plan.items)
         assert compiled_plan(ex.model) == plan
         got = loss_and_grads(ex)
     assert_steps_close(ref, got, atol=1e-4)
