@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +283,41 @@ def load_average() -> tuple[float, float, float]:
         return os.getloadavg()
     except OSError:
         return (float("nan"),) * 3
+
+
+def _loads(loads: tuple[float, float, float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in loads)
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """When a benchmark run started and how busy the machine was then.
+
+    Example:
+        >>> clock = RunClock.start()
+        >>> ...  # measure
+        >>> info = machine_info(sizes=sizes, **clock.info())
+    """
+
+    load_before: tuple[float, float, float]
+    started: float
+
+    @classmethod
+    def start(cls) -> RunClock:
+        """The load average and the clock now."""
+        return cls(load_average(), time.perf_counter())
+
+    def info(self) -> dict[str, Any]:
+        """``load_average_before``/``_after`` and ``wall_time_s`` up to now, for :func:`machine_info`.
+
+        :func:`load_note` reads the two load averages to warn that timings were
+        taken on a busy machine.
+        """
+        return {
+            "load_average_before": _loads(self.load_before),
+            "load_average_after": _loads(load_average()),
+            "wall_time_s": round(time.perf_counter() - self.started, 1),
+        }
 
 
 def cpu_model() -> str:

@@ -35,10 +35,10 @@ import torch
 import gradckpt
 from benchmarks.common import (
     MiB,
+    RunClock,
     base_parser,
     fmt_ratio,
     info_block,
-    load_average,
     machine_info,
     make_step,
     markdown_table,
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     settle(args)
     backend = args.backend or ("aot_eager" if args.quick else "inductor")
     sizes = QUICK if args.quick else FULL
-    load_before = load_average()
-    started = time.perf_counter()
+    clock = RunClock.start()
     print(f"compile benchmark: gpt {sizes}, backend {backend}, budget {args.budget}")
 
     probe = make("gpt", **sizes)
@@ -114,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"  first round (compiles) {first_round:.1f} s; timing ...")
     timings = time_interleaved(steps, warmup=args.warmup, repeats=args.repeats)
-    wall = time.perf_counter() - started
 
     rows = [
         (f"`{name}`", DESCRIPTIONS[name], f"{timings[name].median:.3f}",
@@ -134,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         plan_units=", ".join(f"{u.path}:{u.mode}" for u in plan.units),
         warmup=args.warmup, repeats=args.repeats, quick=args.quick,
         first_round_s=round(first_round, 1),
-        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
-        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
-        wall_time_s=round(wall, 1),
+        **clock.info(),
     )  # fmt: skip
     md = "\n\n".join(
         [

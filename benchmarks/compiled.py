@@ -14,11 +14,15 @@ U-Net from ``gradckpt.testing``), contenders:
   compiler fuses them), which keeps matmuls and recomputes pointwise ops;
 * ``gradckpt knob amb=F``: the compiler's partitioner at budgets between the
   compiler rows' (0.9/0.8/0.6/0.4/0.2), as ``fit_compiled`` drives it: in
-  bytes, measured, chosen from the table (never over, monotone).
+  bytes, measured, chosen from the table (never over, monotone);
+* ``gradckpt bytes F``: the compiler's partitioner held by gradckpt's knapsack
+  solver (``integrations.compiled_knapsack.SavedBytesSolver``) to saving at most
+  F of the bytes its default saves, chosen on the compiled graph itself.
 
 Two verdict tables per model: gradckpt's plans alone (``gradckpt`` and
-``gradckpt fused`` rows), and gradckpt's whole candidate set (plans and the
-knob driven in bytes, what ``fit_compiled`` chooses from).
+``gradckpt fused`` rows), and gradckpt's whole candidate set (plans, the knob
+driven in bytes and the saved-bytes solver: what ``fit_compiled`` chooses from).
+``--kinds`` runs a subset.
 
 Every contender lives in its own worker process (the compiler's config is
 process-wide and Dynamo's caches are shared by same-class models), compiled
@@ -349,8 +353,8 @@ def _report(data: dict[str, Any]) -> str:
             markdown_table(
                 ["compiler point", "gradckpt point", "verdict"], data["verdicts"][model]
             ),
-            "The same over gradckpt's whole candidate set (plans and the compiler's knob "
-            "driven in bytes, what `fit_compiled` chooses from):",
+            "The same over gradckpt's whole candidate set (plans, the compiler's knob "
+            "driven in bytes and the saved-bytes solver: what `fit_compiled` chooses from):",
             markdown_table(
                 ["compiler point", "gradckpt point", "verdict"], data["verdicts_all"][model]
             ),

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    RunClock,
     base_parser,
     fmt_ratio,
     gradckpt_checkpoint,
     info_block,
-    load_average,
     load_note,
     machine_info,
     markdown_table,
@@ -198,14 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes["layers"] = args.layers
     if args.vocab is not None:
         sizes["vocab"] = args.vocab
-    load_before = load_average()
-    started = time.perf_counter()
+    clock = RunClock.start()
     print(f"engine benchmark: gpt {sizes}, warmup {args.warmup}, repeats {args.repeats}")
     results = measure_contenders(
         lambda: make("gpt", **sizes), contenders(), baseline="plain",
         warmup=args.warmup, repeats=args.repeats, seed=args.seed,
     )  # fmt: skip
-    wall = time.perf_counter() - started
     info = machine_info(
         model="gpt (gradckpt.testing)",
         sizes=sizes,
@@ -213,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         seed=args.seed,
         quick=args.quick,
-        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
-        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
-        wall_time_s=round(wall, 1),
+        **clock.info(),
     )
     md, data = report(results, info)
     md_path, json_path = write_results(args.out, "engine", md, data)

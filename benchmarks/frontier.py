@@ -44,10 +44,10 @@ from benchmarks.common import (
     Installer,
     Measured,
     MiB,
+    RunClock,
     base_parser,
     fmt_ratio,
     info_block,
-    load_average,
     load_note,
     machine_info,
     markdown_table,
@@ -504,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in sizes]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(sizes)}")
-    load_before = load_average()
-    started = time.perf_counter()
+    clock = RunClock.start()
     results = [run_model(n, sizes[n], args) for n in names]
     planning = None
     if not args.skip_planning_time:
@@ -514,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
             psizes["layers"] = args.plan_layers
         print(f"planning time: gpt {psizes}")
         planning = planning_time(psizes, args)
-    wall = time.perf_counter() - started
     info = machine_info(
         models={n: sizes[n] for n in names},
         warmup=args.warmup,
@@ -523,9 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         plan_repeats=args.plan_repeats,
         seed=args.seed,
         quick=args.quick,
-        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
-        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
-        wall_time_s=round(wall, 1),
+        **clock.info(),
     )
     if planning is not None:
         planning["plan_repeats"] = args.plan_repeats

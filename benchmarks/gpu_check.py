@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,87 @@ def run_hf_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str
     return "hf_models.py: done, results in " + str(outdir)
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass(frozen=True)
+class BenchmarkRun:
+    """What every benchmark stage is run with."""
+
+    dry: bool
+    device: str
+    outdir: Path
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark run after the prediction checks, when enough time is left.
+
+    ``result`` names where its output goes: ``"frontier"`` and ``"offload"`` are
+    report sections, ``"note"`` a line of the report's notes.
+    """
+
+    title: str  # how the report's notes name it
+    min_seconds_left: float  # it starts only with more than this left of --time-limit
+    result: str
+    run: Callable[[BenchmarkRun], Any]
+
+
+def _frontier_stage(ctx: BenchmarkRun) -> list[dict]:
+    return run_frontier(ctx.dry, ctx.device, _log)
+
+
+def _offload_stage(ctx: BenchmarkRun) -> dict:
+    from benchmarks.offload_gpu import run_offload_contenders
+
+    return run_offload_contenders(ctx.dry, ctx.device, _log)
+
+
+def _hf_stage(ctx: BenchmarkRun) -> str:
+    return run_hf_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
+
+
+# In the order they run (and their notes appear).
+BENCHMARKS = (
+    Benchmark("frontier benchmark", 60, "frontier", _frontier_stage),
+    Benchmark("offload contenders", 60, "offload", _offload_stage),
+    Benchmark("hf_models benchmark", 30, "note", _hf_stage),
+)
+
+
+def run_benchmarks(
+    dry: bool, device: str, outdir: Path, seconds_left: Callable[[], float], notes: list[str]
+) -> dict[str, Any]:
+    """Each of :data:`BENCHMARKS` that time allows; ``{result: output}``, and lines added to ``notes``.
+
+    A benchmark that fails adds a note instead of stopping the others.
+
+    Example:
+        >>> run_benchmarks(True, "cpu", Path("out"), lambda: 0.0, notes)
+        {}
+        >>> notes[0]
+        'frontier benchmark: skipped, out of time'
+    """
+    results: dict[str, Any] = {}
+    for bench in BENCHMARKS:
+        left = seconds_left()
+        if left <= bench.min_seconds_left:
+            notes.append(f"{bench.title}: skipped, out of time")
+            continue
+        try:
+            output = bench.run(BenchmarkRun(dry, device, outdir, left))
+        except Exception as e:  # one benchmark's failure must not hide the others' results
+            notes.append(f"{bench.title} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if bench.result == "note":
+            notes.append(output)
+        else:
+            results[bench.result] = output
+    return results
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -391,29 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name} failed: {type(e).__name__}: {e}", flush=True)
         if not dry:
             torch.cuda.empty_cache()
-    frontier: list[dict] = []
-    offload: dict | None = None
-    if not args.skip_benchmarks:
-        if left() > 60:
-            try:
-                frontier = run_frontier(dry, device, lambda s: print(s, flush=True))
-            except Exception as e:
-                notes.append(f"frontier benchmark failed: {type(e).__name__}: {str(e)[:300]}")
-        else:
-            notes.append("frontier benchmark: skipped, out of time")
-        if left() > 60:
-            try:
-                from benchmarks.offload_gpu import run_offload_contenders
-
-                offload = run_offload_contenders(dry, device, lambda s: print(s, flush=True))
-            except Exception as e:
-                notes.append(f"offload contenders failed: {type(e).__name__}: {str(e)[:300]}")
-        else:
-            notes.append("offload contenders: skipped, out of time")
-        if left() > 30:
-            notes.append(run_hf_benchmark(dry, args.out, left(), print))
-        else:
-            notes.append("hf_models benchmark: skipped, out of time")
+    benchmarks = {} if args.skip_benchmarks else run_benchmarks(dry, device, args.out, left, notes)
+    frontier: list[dict] = benchmarks.get("frontier", [])
+    offload: dict | None = benchmarks.get("offload")
     rows = [r for c in checks for r in c["rows"]]
     passed = sum(bool(r.get("ok")) for r in rows)
     notes.insert(0, f"{passed}/{len(rows)} rows met the target")

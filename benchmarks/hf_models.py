@@ -46,10 +46,10 @@ import torch
 
 import gradckpt
 from benchmarks.common import (
+    RunClock,
     base_parser,
     fmt_ratio,
     info_block,
-    load_average,
     machine_info,
     make_step,
     markdown_table,
@@ -478,13 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="gradckpt.fit on")  # the use_cache message
     table = QUICK if args.quick else FULL
     sizes = {name: table[name] for name in args.models}
-    load_before = load_average()
-    started = time.perf_counter()
+    clock = RunClock.start()
     all_runs = {}
     for name in args.models:
         print(f"{name}: {sizes[name]}", flush=True)
         all_runs[name] = bench_model(name, sizes[name], args)
-    wall = time.perf_counter() - started
     info = machine_info(
         transformers=transformers.__version__,
         **{
@@ -499,9 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         quick=args.quick,
         clock=args.clock,
-        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
-        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
-        wall_time_s=round(wall, 1),
+        **clock.info(),
     )
     md, data = report(all_runs, sizes, info)
     md_path, json_path = write_results(args.out, args.tag, md, data)

@@ -31,7 +31,14 @@ from gradckpt.measure.memory import MemoryTracker, format_bytes
 from gradckpt.planning.budget import parse_budget
 from gradckpt.planning.plan import Plan
 
-__all__ = ["BudgetReport", "checked_callback_options", "fit_on_batch", "logger", "loss_of"]
+__all__ = [
+    "BudgetReport",
+    "FirstBatchBudget",
+    "checked_callback_options",
+    "fit_on_batch",
+    "logger",
+    "loss_of",
+]
 
 logger = logging.getLogger("gradckpt")
 
@@ -115,6 +122,43 @@ def checked_callback_options(
     if loss_from is not None and not callable(loss_from):
         raise TypeError(f"loss_from must be callable, got {type(loss_from).__name__}")
     return loss_from or loss_of
+
+
+class FirstBatchBudget:
+    """What every trainer callback takes and keeps: the budget, the loss extractor, the plan.
+
+    A mixin placed before the trainer library's own callback base class, so the
+    Hugging Face and Lightning callbacks check their arguments the same way (at
+    construction, not at the first step) and expose the same attributes:
+    ``budget``, ``loss_from``, ``plan_options``, and after the first batch
+    ``plan`` and ``report``.
+
+    Args:
+        budget: bytes (int), a string with units ("3GiB") or a fraction in (0, 1]
+            of the plain step's peak, as for :func:`gradckpt.fit`.
+        loss_from: how to get the loss from the step's output; default
+            :func:`loss_of`.
+        **plan_options: passed to :func:`fit_on_batch`.
+
+    Example:
+        >>> class BudgetCallback(FirstBatchBudget, TrainerCallback): ...
+        >>> BudgetCallback("2GiB").loss_from is loss_of
+        True
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str,
+        *,
+        loss_from: Callable[[Any], torch.Tensor] | None = None,
+        **plan_options: Any,
+    ) -> None:
+        super().__init__()
+        self.loss_from = checked_callback_options(budget, loss_from)
+        self.budget = budget
+        self.plan_options = plan_options
+        self.plan: Plan | None = None
+        self.report: BudgetReport | None = None
 
 
 @contextmanager

@@ -31,20 +31,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
-from gradckpt.planning.plan import Plan
+from gradckpt.integrations.first_batch import FirstBatchBudget, fit_on_batch
 
 __all__ = ["BudgetCallback"]
 
 
-class BudgetCallback(TrainerCallback):
+class BudgetCallback(FirstBatchBudget, TrainerCallback):
     """Plan and apply gradckpt on the Trainer's first training batch.
 
     Args:
@@ -66,21 +64,11 @@ class BudgetCallback(TrainerCallback):
         True
     """
 
-    def __init__(
-        self,
-        budget: int | float | str,
-        *,
-        loss_from: Callable[[Any], torch.Tensor] | None = None,
-        **plan_options: Any,
-    ) -> None:
-        self.loss_from = checked_callback_options(budget, loss_from)
-        self.budget = budget
-        self.plan_options = plan_options
-        self.plan: Plan | None = None
-        self.report: BudgetReport | None = None
-        self._hook: torch.utils.hooks.RemovableHandle | None = None
-        self._planning = False
-        self._logged = False
+    # The arguments are FirstBatchBudget's. Until the first training batch: no
+    # hook, not planning, nothing logged (set per instance once that changes).
+    _hook: torch.utils.hooks.RemovableHandle | None = None
+    _planning = False
+    _logged = False
 
     # ------------------------------------------------------------------ Trainer events
 

@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,8 +34,7 @@ try:
 except ImportError:  # the standalone package of Lightning < 2
     from pytorch_lightning import Callback
 
-from gradckpt.integrations.first_batch import BudgetReport, checked_callback_options, fit_on_batch
-from gradckpt.planning.plan import Plan
+from gradckpt.integrations.first_batch import FirstBatchBudget, fit_on_batch
 
 __all__ = ["BudgetCallback"]
 
@@ -55,7 +54,7 @@ def _logging_dropped(module: nn.Module) -> Iterator[None]:
         del module.log, module.log_dict
 
 
-class BudgetCallback(Callback):
+class BudgetCallback(FirstBatchBudget, Callback):
     """Plan and apply gradckpt on the LightningModule's first training batch.
 
     Args:
@@ -75,19 +74,6 @@ class BudgetCallback(Callback):
         >>> callback.report.within_budget
         True
     """
-
-    def __init__(
-        self,
-        budget: int | float | str,
-        *,
-        loss_from: Callable[[Any], torch.Tensor] | None = None,
-        **plan_options: Any,
-    ) -> None:
-        self.loss_from = checked_callback_options(budget, loss_from)
-        self.budget = budget
-        self.plan_options = plan_options
-        self.plan: Plan | None = None
-        self.report: BudgetReport | None = None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int

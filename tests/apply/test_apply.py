@@ -11,56 +11,38 @@ from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 
 
-def _every_block(ex) -> Plan:
-    items = [
-        UnitChoice(p, "recompute" if p in ex.block_paths else "keep")
-        for p in ["tok_emb", "pos_emb", "drop", *ex.block_paths, "ln_f", "lm_head"]
-    ]
-    return Plan(tuple(items), model_fingerprint(ex.model))
-
-
-def _grads(ex, seed=1):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = ex.loss_fn()
-    loss.backward()
-    out = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
-    ex.model.zero_grad(set_to_none=True)
-    return loss.detach(), out
-
-
-def test_apply_is_in_place_idempotent_and_removable():
+def test_apply_is_in_place_idempotent_and_removable(loss_and_grads, blocks_plan):
     ex = make("gpt")
-    loss0, plain = _grads(ex)
-    plan = _every_block(ex)
+    loss0, plain = loss_and_grads(ex)
+    plan = blocks_plan(ex)
     assert gradckpt.apply(ex.model, plan) is ex.model
     wrapped = ex.model.blocks[0].forward
     gradckpt.apply(ex.model, plan)  # idempotent: nothing re-wrapped
     assert ex.model.blocks[0].forward is wrapped
     assert gradckpt.applied_plan(ex.model) is plan
-    loss1, grads = _grads(ex)
+    loss1, grads = loss_and_grads(ex)
     assert torch.equal(loss0, loss1) and all(torch.equal(plain[k], grads[k]) for k in plain)
     gradckpt.remove(ex.model)
     assert gradckpt.applied_plan(ex.model) is None
     assert all("forward" not in m.__dict__ for m in ex.model.modules())
-    assert torch.equal(_grads(ex)[0], loss0)
+    assert torch.equal(loss_and_grads(ex)[0], loss0)
 
 
-def test_applying_another_plan_replaces_the_first():
+def test_applying_another_plan_replaces_the_first(blocks_plan):
     ex = make("gpt")
-    gradckpt.apply(ex.model, _every_block(ex))
+    gradckpt.apply(ex.model, blocks_plan(ex))
     keep_all = Plan(
-        tuple(UnitChoice(u.path) for u in _every_block(ex).units), model_fingerprint(ex.model)
+        tuple(UnitChoice(u.path) for u in blocks_plan(ex).units), model_fingerprint(ex.model)
     )
     gradckpt.apply(ex.model, keep_all)
     assert gradckpt.applied_plan(ex.model) is keep_all
     gradckpt.remove(ex.model)
 
 
-def test_plan_for_another_model_is_refused_and_model_untouched():
+def test_plan_for_another_model_is_refused_and_model_untouched(blocks_plan):
     ex = make("gpt")
     other = make("gpt", layers=3)
-    plan = _every_block(other)
+    plan = blocks_plan(other)
     with pytest.raises(gradckpt.PlanMismatchError, match="another model"):
         gradckpt.apply(ex.model, plan)
     assert all("forward" not in m.__dict__ for m in ex.model.modules())
@@ -75,7 +57,7 @@ def test_plan_naming_a_missing_module_is_refused_before_touching_anything():
     assert "forward" not in ex.model.blocks[0].__dict__
 
 
-def test_segment_regions_open_and_close_even_when_a_unit_raises():
+def test_segment_regions_open_and_close_even_when_a_unit_raises(loss_and_grads):
     ex = make("mlp")
     plan = Plan(
         (
@@ -101,16 +83,16 @@ def test_segment_regions_open_and_close_even_when_a_unit_raises():
     assert active_frame() is None
     # The model still trains correctly afterwards.
     gradckpt.remove(ex.model)
-    loss0, plain = _grads(ex)
+    loss0, plain = loss_and_grads(ex)
     gradckpt.apply(ex.model, plan)
-    loss1, grads = _grads(ex)
+    loss1, grads = loss_and_grads(ex)
     gradckpt.remove(ex.model)
     assert torch.equal(loss0, loss1) and all(torch.equal(plain[k], grads[k]) for k in plain)
 
 
-def test_shape_other_than_planned_warns_once():
+def test_shape_other_than_planned_warns_once(blocks_plan):
     ex = make("gpt")
-    plan = _every_block(ex)
+    plan = blocks_plan(ex)
     plan = Plan(plan.items, plan.fingerprint, input_shapes=(("blocks.0", (9, 9, 9)),))
     gradckpt.apply(ex.model, plan)
     with pytest.warns(UserWarning, match="planned for inputs of shape"):
@@ -118,17 +100,17 @@ def test_shape_other_than_planned_warns_once():
     gradckpt.remove(ex.model)
 
 
-def test_selective_op_mismatch_warns_and_stays_correct():
+def test_selective_op_mismatch_warns_and_stays_correct(loss_and_grads, blocks_plan):
     ex = make("gpt")
-    loss0, plain = _grads(ex)
+    loss0, plain = loss_and_grads(ex)
     items = tuple(
         UnitChoice(u.path, "selective", (0,), ("aten.not_this_op.default",))
         if u.path == "blocks.0" else u
-        for u in _every_block(ex).units
+        for u in blocks_plan(ex).units
     )  # fmt: skip
     gradckpt.apply(ex.model, Plan(items, model_fingerprint(ex.model)))
     with pytest.warns(UserWarning, match="plan expected"):
-        loss1, grads = _grads(ex)
+        loss1, grads = loss_and_grads(ex)
     gradckpt.remove(ex.model)
     assert torch.equal(loss0, loss1) and all(torch.equal(plain[k], grads[k]) for k in plain)
 

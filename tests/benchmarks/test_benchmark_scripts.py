@@ -94,3 +94,19 @@ def test_allocator_accuracy_quick_writes_report(tmp_path: Path) -> None:
         plans = [r["plan"] for r in model["rows"]]
         assert plans[0] == "none" and "dp@least" in plans
         assert all(r["allocator"] >= r["tracker"] > 0 for r in model["rows"])
+
+
+def test_compile_quick_writes_report(tmp_path: Path) -> None:
+    proc = _run("benchmarks.compile", tmp_path)
+    text, data = _written(tmp_path, "compile")
+    assert "| contender | what | median step (s) | time / plain | time / planned |" in text
+    contenders = ["plain", "planned", "planned_compiled", "plain_compiled"]
+    assert list(data["results"]) == contenders
+    # Peaks only for the eager contenders (the tracker runs compiled code eagerly).
+    assert [data["results"][n]["peak_bytes"] is not None for n in contenders] == [
+        True, True, False, False,
+    ]  # fmt: skip
+    info = data["info"]
+    assert info["backend"] == "aot_eager" and info["quick"] is True
+    assert {"load_average_before", "load_average_after", "wall_time_s"} <= set(info)
+    assert "wrote" in proc.stdout

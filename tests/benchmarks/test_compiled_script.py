@@ -26,7 +26,7 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     assert md.with_suffix(".png").stat().st_size > 0
     rows = data["results"]["gpt2"]
     kinds = {r["kind"] for r in rows.values()}
-    assert kinds == {"eager", "compiler", "gradckpt", "knob"}, rows
+    assert kinds == {"eager", "compiler", "gradckpt", "knob", "bytes"}, rows
     for label, row in rows.items():
         assert "error" not in row, (label, row)
         assert row["peak"] > 0 and row["median_s"] > 0

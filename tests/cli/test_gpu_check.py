@@ -47,3 +47,45 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
         # The dry run reads the CPU allocator: it sees every tensor and more; no reserved.
         assert row["measured_bytes"] >= row["tracker_bytes"] and row["reserved_bytes"] is None
         assert row["budget_bytes"] is None or row["measured_bytes"] <= row["budget_bytes"]
+
+
+def test_benchmark_table_names_functions_that_exist():
+    # The GPU run is the only one that reaches these stages in full: check here,
+    # without CUDA, that each stage's runner and the benchmark function it calls exist.
+    from benchmarks import frontier, gpu_check, offload_gpu
+
+    titles = [b.title for b in gpu_check.BENCHMARKS]
+    assert titles == ["frontier benchmark", "offload contenders", "hf_models benchmark"]
+    assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
+    for bench in gpu_check.BENCHMARKS:
+        assert callable(bench.run) and bench.min_seconds_left > 0
+    assert callable(frontier.run_model) and callable(offload_gpu.run_offload_contenders)
+    assert (gpu_check.HERE / "hf_models.py").is_file()
+
+
+def test_benchmarks_out_of_time_are_skipped_and_a_failure_stops_no_other(monkeypatch, tmp_path):
+    from benchmarks import gpu_check
+
+    notes: list[str] = []
+    assert gpu_check.run_benchmarks(True, "cpu", tmp_path, lambda: 0.0, notes) == {}
+    assert notes == [f"{b.title}: skipped, out of time" for b in gpu_check.BENCHMARKS]
+
+    def fails(ctx):
+        raise RuntimeError("no such kernel")
+
+    seen = []
+    monkeypatch.setattr(gpu_check, "BENCHMARKS", (
+        gpu_check.Benchmark("first", 10, "frontier", fails),
+        gpu_check.Benchmark("second", 10, "offload", lambda ctx: seen.append(ctx) or {"ok": 1}),
+        gpu_check.Benchmark("third", 10, "note", lambda ctx: "third: done"),
+        gpu_check.Benchmark("fourth", 100, "frontier", lambda ctx: [1]),
+    ))  # fmt: skip
+    notes = []
+    results = gpu_check.run_benchmarks(True, "cpu", tmp_path, lambda: 50.0, notes)
+    assert results == {"offload": {"ok": 1}}
+    assert notes == [
+        "first failed: RuntimeError: no such kernel",
+        "third: done",
+        "fourth: skipped, out of time",
+    ]
+    assert seen == [gpu_check.BenchmarkRun(True, "cpu", tmp_path, 50.0)]

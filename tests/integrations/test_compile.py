@@ -15,7 +15,7 @@ import gradckpt
 from gradckpt.integrations.compile import compile_model, compiled_units
 from gradckpt.planning import Plan, Segment, UnitChoice
 from gradckpt.planning.solvers import save_matmuls_plan
-from gradckpt.profiling import find_units, model_fingerprint
+from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
@@ -54,24 +54,6 @@ def _mixed_plan(ex, selective) -> Plan:
     return Plan(items, model_fingerprint(ex.model))
 
 
-def _step(ex, seed=1):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = ex.loss_fn()
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
-    ex.model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
-def _assert_close(ref, got):
-    (loss0, grads0), (loss1, grads1) = ref, got
-    torch.testing.assert_close(loss1, loss0, atol=ATOL, rtol=0)
-    assert grads0.keys() == grads1.keys()
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], atol=ATOL, rtol=0, msg=k)
-
-
 def _counting_backend():
     """aot_eager, counting how often compiled forward graphs run."""
     runs: list[int] = []
@@ -90,15 +72,6 @@ def _counting_backend():
         fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm)
     )
     return backend, runs
-
-
-def _every_block(ex, blocks=None) -> Plan:
-    blocks = ex.block_paths if blocks is None else blocks
-    items = [
-        UnitChoice(u.path, "recompute" if u.path in blocks else "keep")
-        for u in find_units(ex.model, ex.block_paths)
-    ]
-    return Plan(tuple(items), model_fingerprint(ex.model))
 
 
 def _compile_torch(model):
@@ -134,10 +107,15 @@ def _compile_units(model):
          "compile_model(whole_model=False)"],
 )  # fmt: skip
 def test_compiled_after_apply_gives_the_plain_gradients(
-    compile_it, dynamo_loaded_at_apply, selective_block1, monkeypatch
+    compile_it,
+    dynamo_loaded_at_apply,
+    selective_block1,
+    monkeypatch,
+    loss_and_grads,
+    assert_steps_close,
 ):
     ex = make("gpt", **GPT)
-    reference = _step(ex)
+    reference = loss_and_grads(ex)
     with monkeypatch.context() as patch:
         if not dynamo_loaded_at_apply:
             # As when torch._dynamo is first imported by the compile call: the installed
@@ -161,7 +139,7 @@ def test_compiled_after_apply_gives_the_plain_gradients(
         loss = loss_fn()
         loss.backward()
         got = loss.detach(), {k: p.grad.clone() for k, p in ex.model.named_parameters()}
-        _assert_close(reference, got)
+        assert_steps_close(reference, got, ATOL)
 
 
 def test_compile_model_reruns_compiled_bodies_in_the_recompute(selective_block1):
@@ -184,32 +162,36 @@ def test_compile_model_reruns_compiled_bodies_in_the_recompute(selective_block1)
         assert len(runs) - forward == 4
 
 
-def test_compiled_regions_update_batchnorm_statistics_once():
+def test_compiled_regions_update_batchnorm_statistics_once(
+    loss_and_grads, assert_steps_close, blocks_plan
+):
     ex = make("bn_convnet")
     saved = {k: b.clone() for k, b in ex.model.named_buffers()}
-    reference = _step(ex)
+    reference = loss_and_grads(ex)
     after_plain = {k: b.clone() for k, b in ex.model.named_buffers()}
     with torch.no_grad():
         for k, b in ex.model.named_buffers():
             b.copy_(saved[k])
-    plan = _every_block(ex)
+    plan = blocks_plan(ex)
     gradckpt.apply(ex.model, plan)
     compile_model(ex.model, backend="aot_eager", whole_model=False)
-    _assert_close(reference, _step(ex))
+    assert_steps_close(reference, loss_and_grads(ex), ATOL)
     for k, b in ex.model.named_buffers():
         torch.testing.assert_close(b, after_plain[k], atol=ATOL, rtol=0, msg=k)
 
 
-def test_regions_under_a_dispatch_mode_run_eagerly_in_forward_and_recompute():
+def test_regions_under_a_dispatch_mode_run_eagerly_in_forward_and_recompute(
+    loss_and_grads, assert_steps_close, blocks_plan
+):
     """MemoryTracker is a TorchDispatchMode: compiled code falls back to eager under it,
     and the recompute then stays eager too (same saved tensors)."""
     ex = make("gpt", **GPT)
-    reference = _step(ex)
-    gradckpt.apply(ex.model, _every_block(ex))
+    reference = loss_and_grads(ex)
+    gradckpt.apply(ex.model, blocks_plan(ex))
     compile_model(ex.model, backend="aot_eager", whole_model=False)
     with gradckpt.measure.MemoryTracker(ex.model):
-        got = _step(ex)
-    _assert_close(reference, got)
+        got = loss_and_grads(ex)
+    assert_steps_close(reference, got, ATOL)
 
 
 class _Passthrough(TorchDispatchMode):
@@ -217,9 +199,9 @@ class _Passthrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_mode_only_around_backward_is_refused_clearly():
+def test_a_mode_only_around_backward_is_refused_clearly(blocks_plan):
     ex = make("gpt", **GPT)
-    gradckpt.apply(ex.model, _every_block(ex, ["blocks.0"]))
+    gradckpt.apply(ex.model, blocks_plan(ex, blocks=["blocks.0"]))
     compile_model(ex.model, backend="aot_eager", whole_model=False)
     loss = ex.loss_fn()
     with _Passthrough(), pytest.raises(gradckpt.CheckpointError, match="recompute would run"):
@@ -245,12 +227,12 @@ def test_a_compiled_callable_inside_a_plain_region_runs_eagerly_both_times():
         torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
 
 
-def test_compile_model_without_a_plan_compiles_the_model():
+def test_compile_model_without_a_plan_compiles_the_model(loss_and_grads, assert_steps_close):
     ex = make("mlp", blocks=2, width=16, hidden=32, batch=4)
-    reference = _step(ex)
+    reference = loss_and_grads(ex)
     compile_model(ex.model, backend="aot_eager")
     assert compiled_units(ex.model) == []
-    _assert_close(reference, _step(ex))
+    assert_steps_close(reference, loss_and_grads(ex), ATOL)
 
 
 def test_compile_model_rejects_unknown_units():

@@ -38,15 +38,6 @@ def measured():
     torch._dynamo.reset()
 
 
-def _grads(ex, seed=1):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    ex.loss_fn().backward()
-    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
-    ex.model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_candidates_are_measured_and_model_left_plain(measured):
     ex, points = measured
     labels = [p.label for p in points]
@@ -75,28 +66,28 @@ def test_choice_never_over_budget_and_peak_monotone_in_budget(measured):
         choose(points, peaks[0] - 1)
 
 
-def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured):
+def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured, loss_and_grads):
     ex, points = measured
     torch._dynamo.reset()
     plain = make("gpt", **GPT)
-    ref = _grads(plain)
+    ref = loss_and_grads(plain)[1]
     gradckpt_points = [p for p in points if p.plan is not None]
     budget = min(p.peak_bytes for p in gradckpt_points)  # only the leanest fits, or less
     fit = fit_compiled(ex.model, ex.loss_fn, budget, points=points, backend="aot_eager")
     assert fit.chosen.peak_bytes <= budget
     for _ in range(2):  # warm: compile forward and backward
-        _grads(ex)
+        loss_and_grads(ex)
     ex.model.zero_grad(set_to_none=True)
     with AllocatorTracker() as again:
         ex.loss_fn().backward()
     peak = state_bytes(ex.model) + again.peak_bytes
     assert peak <= budget, (peak, budget, fit.chosen.label)
-    got = _grads(ex)
+    got = loss_and_grads(ex)[1]
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
 
 
-def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch):
+def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch, loss_and_grads):
     """The compiler's partitioner under gradckpt's byte cap, installed by fit_compiled."""
     from gradckpt.integrations.compiled_knapsack import SavedBytesSolver
 
@@ -110,12 +101,12 @@ def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch
         SavedBytesSolver, "__call__",
         lambda self, *a: partitioned.append(self.fraction) or solve(self, *a),
     )  # fmt: skip
-    ref = _grads(make("gpt", **GPT))
+    ref = loss_and_grads(make("gpt", **GPT))[1]
     capped = [p for p in points if p.saved_fraction is not None]
     fit = fit_compiled(ex.model, ex.loss_fn, max(p.peak_bytes for p in points), points=capped,
                        backend="aot_eager")  # fmt: skip
     assert fit.chosen.saved_fraction in (0.6, 0.3)
-    got = _grads(ex)
+    got = loss_and_grads(ex)[1]
     assert partitioned and set(partitioned) == {fit.chosen.saved_fraction}
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 
 import gradckpt
 from gradckpt.apply.compiled_watch import compile_stats
-from gradckpt.planning import Plan, UnitChoice
-from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
@@ -46,14 +44,6 @@ def _loss_at(ex, length: int):
     return loss_fn
 
 
-def _recompute_blocks(ex) -> Plan:
-    items = [
-        UnitChoice(u.path, "recompute" if u.path in ex.block_paths else "keep")
-        for u in find_units(ex.model, ex.block_paths)
-    ]
-    return Plan(tuple(items), model_fingerprint(ex.model))
-
-
 def _steps(ex, lengths) -> list[list[str]]:
     """One training step per length; the gradckpt recompile warnings each raised."""
     raised = []
@@ -65,9 +55,9 @@ def _steps(ex, lengths) -> list[list[str]]:
     return raised
 
 
-def test_each_new_length_recompiles_when_not_dynamic_and_warns_once_per_shape():
+def test_each_new_length_recompiles_when_not_dynamic_and_warns_once_per_shape(blocks_plan):
     ex = make("gpt", **GPT)
-    gradckpt.apply(ex.model, _recompute_blocks(ex))
+    gradckpt.apply(ex.model, blocks_plan(ex))
     gradckpt.compile(ex.model, backend="aot_eager", dynamic=False)
     raised = _steps(ex, [32, 32, 16, 16, 24])
     stats = compile_stats(ex.model)
@@ -80,9 +70,9 @@ def test_each_new_length_recompiles_when_not_dynamic_and_warns_once_per_shape():
     assert "(2,16)" in stats.shapes[0] and "(2,24)" in stats.shapes[1]
 
 
-def test_dynamic_shapes_recompile_once_then_not_again():
+def test_dynamic_shapes_recompile_once_then_not_again(blocks_plan):
     ex = make("gpt", **GPT)
-    gradckpt.apply(ex.model, _recompute_blocks(ex))
+    gradckpt.apply(ex.model, blocks_plan(ex))
     gradckpt.compile(ex.model, backend="aot_eager")  # automatic dynamic (the default)
     raised = _steps(ex, [32, 16, 24, 20])
     assert [bool(r) for r in raised] == [False, True, False, False]

@@ -111,3 +111,14 @@ def test_manual_optimization_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="automatic optimization"):
         _fit([BudgetCallback(BUDGET)], module=module)
     assert gradckpt.applied_plan(module) is None
+
+
+def test_bad_budget_fails_when_the_callback_is_made():
+    # The same checks as the Hugging Face callback (both take FirstBatchBudget's).
+    with pytest.raises(ValueError, match="budget"):
+        BudgetCallback("lots")
+    with pytest.raises(TypeError, match="loss_from"):
+        BudgetCallback(0.5, loss_from="loss")
+    callback = BudgetCallback("2GiB", repeats=1)
+    assert (callback.budget, callback.plan_options) == ("2GiB", {"repeats": 1})
+    assert callback.plan is None and callback.report is None

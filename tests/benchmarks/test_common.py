@@ -1,0 +1,28 @@
+"""``benchmarks/common.py``'s run clock: what every benchmark's setup block says of its run."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from benchmarks.common import RunClock, load_note
+
+
+def test_run_clock_gives_the_loads_and_the_wall_time_since_it_started():
+    clock = RunClock.start()
+    time.sleep(0.2)
+    info = clock.info()
+    assert list(info) == ["load_average_before", "load_average_after", "wall_time_s"]
+    loads = re.compile(r"(\d+\.\d\d|nan) / (\d+\.\d\d|nan) / (\d+\.\d\d|nan)")
+    assert loads.fullmatch(info["load_average_before"]), info
+    assert loads.fullmatch(info["load_average_after"]), info
+    assert 0.2 <= info["wall_time_s"] < 60
+
+
+def test_a_busy_start_is_noted_in_the_report():
+    busy = RunClock(load_before=(7.5, 6.0, 5.0), started=time.perf_counter())
+    assert busy.info()["load_average_before"] == "7.50 / 6.00 / 5.00"
+    assert "7.5" in load_note(busy.info())
+    quiet = {**busy.info(), "load_average_before": "0.10 / 0.10 / 0.10"}
+    quiet["load_average_after"] = "0.20 / 0.10 / 0.10"
+    assert load_note(quiet) == ""

@@ -1,0 +1,75 @@
+"""Helpers the test folders share, handed out as fixtures.
+
+pytest imports test files with ``--import-mode=importlib``, so a helper module
+beside them cannot be imported; each fixture here returns the helper function.
+
+* ``loss_and_grads(ex, seed=1)``: one seeded training step of a
+  :class:`gradckpt.testing.Example`, its loss and every parameter's gradient.
+* ``assert_steps_close(ref, got, atol)``: two such results agree within ``atol``.
+* ``blocks_plan(ex, mode="recompute", blocks=None)``: a plan that gives the
+  example's blocks (or ``blocks``) ``mode`` and keeps every other unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from gradckpt.planning import Plan, UnitChoice
+from gradckpt.profiling import find_units, model_fingerprint
+from gradckpt.testing import Example
+
+Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _loss_and_grads(ex: Example, seed: int = 1) -> Step:
+    """``ex.loss_fn().backward()`` from ``seed``: the detached loss and a copy of each gradient.
+
+    Gradients are cleared before (nothing accumulates from an earlier step) and after.
+    """
+    ex.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = ex.loss_fn()
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
+    ex.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_steps_close(ref: Step, got: Step, atol: float) -> None:
+    """The same parameters, and loss and gradients within ``atol`` (no relative slack)."""
+    (loss0, grads0), (loss1, grads1) = ref, got
+    torch.testing.assert_close(loss1, loss0, atol=atol, rtol=0)
+    assert grads0.keys() == grads1.keys()
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], atol=atol, rtol=0, msg=k)
+
+
+def _blocks_plan(ex: Example, mode: str = "recompute", blocks: Sequence[str] | None = None) -> Plan:
+    """Every unit of ``ex.model`` kept, but ``blocks`` (default: all of ``ex.block_paths``) in ``mode``."""
+    chosen = ex.block_paths if blocks is None else blocks
+    items = [
+        UnitChoice(u.path, mode if u.path in chosen else "keep")
+        for u in find_units(ex.model, ex.block_paths)
+    ]
+    return Plan(tuple(items), model_fingerprint(ex.model))
+
+
+@pytest.fixture(scope="session")
+def loss_and_grads():
+    """:func:`_loss_and_grads`."""
+    return _loss_and_grads
+
+
+@pytest.fixture(scope="session")
+def assert_steps_close():
+    """:func:`_assert_steps_close`."""
+    return _assert_steps_close
+
+
+@pytest.fixture(scope="session")
+def blocks_plan():
+    """:func:`_blocks_plan`."""
+    return _blocks_plan
