@@ -86,10 +86,10 @@ QUICK: dict[str, dict[str, Any]] = {
     "unet": dict(depth=2, base=4, image=16, batch=2),
 }
 COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
-PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3, 0.2, 0.1)
+PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3)
 FUSED_FRACTIONS = (0.9, 0.8, 0.7)
-KNOB_BUDGETS = (0.9, 0.8, 0.6, 0.4, 0.2)
-SAVED_FRACTIONS = (0.8, 0.65, 0.55, 0.5, 0.45, 0.4, 0.3)
+KNOB_BUDGETS = (0.8, 0.6, 0.4)
+SAVED_FRACTIONS = (0.8, 0.65, 0.55, 0.5, 0.45)
 QUICK_COMPILER_BUDGETS = (1.0, 0.0)
 QUICK_PLAN_FRACTIONS = (0.9,)
 QUICK_FUSED_FRACTIONS = (0.9,)
