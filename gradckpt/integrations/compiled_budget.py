@@ -185,7 +185,7 @@ def measure_points(
     plan_fractions: Iterable[float] = (0.8, 0.6, 0.45, 0.3, 0.15),
     fused_fractions: Iterable[float] = (0.9, 0.8),
     compiler_budgets: Iterable[float] = (1.0, 0.5, 0.1),
-    saved_fractions: Iterable[float] = (0.8, 0.65, 0.55, 0.5),
+    saved_fractions: Iterable[float] = (0.8, 0.65, 0.6, 0.55, 0.5),
     repeats: int = 3,
     **compile_kwargs: Any,
 ) -> tuple[CompiledPoint, ...]:
