@@ -43,6 +43,7 @@ __all__ = ["Partition", "SavedBytesSolver", "saved_bytes_cap", "saved_bytes_conf
 # The partitioner reads a budget of exactly 0 or 1 as "no knapsack"; any value
 # strictly between makes it call the solver (its own capacity is then ignored).
 _ANY_KNAPSACK_BUDGET = 1e-6
+_KNOB_STEPS = 20  # the compiler's knob values tried: 0, 0.05, ..., 1
 
 
 class Partition(NamedTuple):
@@ -60,9 +61,9 @@ class SavedBytesSolver(CustomKnapsackSolver):
     Args:
         fraction: the cap, as a fraction of the bytes the partitioner's default
             (runtime-optimised) choice saves for the same graph; in [0, 1].
-        sweep: knapsack capacities to try over the whole range, and again over
-            the compiler's own knob range (more: finer choice, slower
-            partitioning; each distinct answer costs one min-cut).
+        sweep: knapsack capacities to try over the whole range (more: finer
+            choice, slower partitioning; each distinct answer costs one
+            min-cut). The compiler's own knob values 0, 0.05, ..., 1 are tried too.
 
     ``chosen`` records a :class:`Partition` per partitioned graph.
 
@@ -110,11 +111,13 @@ class SavedBytesSolver(CustomKnapsackSolver):
         cap = self.fraction * default_bytes
         answers: dict[frozenset[int], tuple[float, int, list[int], list[int]]] = {}
         total = sum(memory[i] for i in offered)
-        # The whole range, and the compiler's own knob range [0, 1] (memory is
-        # normalised so that 1 is its default), finer.
+        # The whole range, and the compiler's own knob values on a 0.05 grid
+        # (memory is normalised so that 1 is its default): at a cap no smaller
+        # than what the compiler's answer at such a knob saves, that answer is
+        # a candidate, so the chosen one recomputes no more FLOPs than it.
         capacities = sorted(
             {total * i / (self.sweep - 1) for i in range(self.sweep)}
-            | {min(total, i / (self.sweep - 1)) for i in range(self.sweep)}
+            | {min(total, i / _KNOB_STEPS) for i in range(_KNOB_STEPS + 1)}
         )
         for capacity in capacities:
             _, kept, dropped = dp_knapsack(

@@ -31,8 +31,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _graph_outputs_backend():
-    """Forward graphs' output bytes (user outputs + what is saved for backward), recorded."""
+def _graph_outputs_backend(backward_flops=None):
+    """Forward graphs' output bytes (user outputs + what is saved for backward), recorded.
+
+    ``backward_flops`` (a list) also gets each backward graph's FLOPs: the
+    gradients' own plus what is recomputed.
+    """
+    from gradckpt.integrations.compiled_knapsack import _flops
+
     outputs: list[int] = []
 
     def forward(gm, _inputs):
@@ -41,17 +47,23 @@ def _graph_outputs_backend():
         outputs.append(sum(v.numel() * v.element_size() for v in vals if torch.is_tensor(v)))
         return make_boxed_func(gm)
 
+    def backward(gm, _inputs):
+        if backward_flops is not None:
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+            backward_flops.append(sum(_flops(n) for n in nodes if _flops(n) > 1))
+        return make_boxed_func(gm)
+
     backend = aot_autograd(
-        fw_compiler=forward, bw_compiler=lambda gm, _: make_boxed_func(gm),
+        fw_compiler=forward, bw_compiler=backward,
         partition_fn=min_cut_rematerialization_partition,
     )  # fmt: skip
     return backend, outputs
 
 
-def _compiled_under_cap(fraction):
+def _compiled_under_cap(fraction, sizes=GPT, backward_flops=None):
     torch._dynamo.reset()
-    ex = make("gpt", **GPT)
-    backend, outputs = _graph_outputs_backend()
+    ex = make("gpt", **sizes)
+    backend, outputs = _graph_outputs_backend(backward_flops)
     ex.model.compile(backend=backend, fullgraph=True)
     with saved_bytes_cap(fraction) as solver:
         ex.loss_fn().backward()
@@ -104,3 +116,30 @@ def test_a_fraction_outside_0_1_is_refused(fraction):
 def test_solver_identity_separates_compile_caches():
     assert SavedBytesSolver(0.5).uuid() == SavedBytesSolver(0.5).uuid()
     assert SavedBytesSolver(0.5).uuid() != SavedBytesSolver(0.4).uuid()
+
+
+@pytest.mark.parametrize("knob", [0.5, 0.3])
+def test_at_the_compilers_saved_bytes_it_recomputes_no_more(knob):
+    """Capped at what the compiler's own knob saves: no more saved, no more recompute FLOPs.
+
+    Without dropout: the compiler may recompute random ops, which the solver
+    never offers (they would change the masks), so with dropout it can need
+    more recompute for the same bytes.
+    """
+    import torch._functorch.config as functorch_config
+
+    sizes = {**GPT, "dropout": 0.0}
+    torch._dynamo.reset()
+    ex = make("gpt", **sizes)
+    compiler_flops: list[float] = []
+    backend, outputs = _graph_outputs_backend(compiler_flops)
+    ex.model.compile(backend=backend, fullgraph=True)
+    with functorch_config.patch(activation_memory_budget=knob):
+        ex.loss_fn().backward()
+    default, default_graph = _compiled_under_cap(1.0, sizes)
+    compiler_saved = outputs[0] - (default_graph - default.saved_bytes)
+    assert compiler_saved < default.default_bytes  # the knob did trade bytes for recompute
+    our_flops: list[float] = []
+    ours, _ = _compiled_under_cap(compiler_saved / default.default_bytes, sizes, our_flops)
+    assert ours.saved_bytes <= compiler_saved
+    assert our_flops[0] <= compiler_flops[0], (our_flops, compiler_flops)
