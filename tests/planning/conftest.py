@@ -70,3 +70,39 @@ class Zoo:
 @pytest.fixture(scope="session")
 def zoo() -> Zoo:
     return Zoo()
+
+
+def frontier_budgets(prof: Profile) -> list[int]:
+    """Budgets across a profile's frontier: the least peak, the plain one, every block's, between."""
+    from gradckpt.planning.solvers import every_kth_plan, finish, least_peak_plan
+
+    _, least = least_peak_plan(prof)
+    plain = prof.measured_peak_bytes
+    _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
+    points = {least.peak_bytes, plain}
+    if every.peak_bytes < plain:
+        points.add(every.peak_bytes)
+    points.update(
+        least.peak_bytes + round(f * (plain - least.peak_bytes)) for f in (0.25, 0.5, 0.75)
+    )
+    return sorted(points)
+
+
+def assert_dp_not_slower_than_baselines(name: str, prof: Profile) -> None:
+    """At every frontier budget, the DP's plan is predicted no slower than any baseline that fits."""
+    from gradckpt.planning.budget import BudgetError
+    from gradckpt.planning.solvers import SOLVERS, solve
+
+    for budget in frontier_budgets(prof):
+        dp = solve(prof, budget, "dp")
+        for solver in SOLVERS:
+            if solver == "dp":
+                continue
+            try:
+                baseline = solve(prof, budget, solver)
+            except BudgetError:
+                continue
+            assert dp.predicted_step_time <= baseline.predicted_step_time * (1 + 1e-9), (
+                f"{name} at {budget}: dp {dp.predicted_step_time:.5f}s > "
+                f"{solver} {baseline.predicted_step_time:.5f}s"
+            )

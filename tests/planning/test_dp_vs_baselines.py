@@ -8,34 +8,14 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.chain import build_chain
 from gradckpt.planning.costs import with_engine_costs
 from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.solvers import (
-    SOLVERS,
-    every_kth_plan,
-    finish,
-    least_peak_plan,
-    solve,
-    without_segments,
-)
+from gradckpt.planning.solvers import without_segments
 from gradckpt.planning.whole_unit import chain_need, chain_time
 from gradckpt.testing import make
 
-
-def _budgets(prof) -> list[int]:
-    # As test_solvers picks them: the least peak, the plain one, every block's, between.
-    _, least = least_peak_plan(prof)
-    plain = prof.measured_peak_bytes
-    _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
-    points = {least.peak_bytes, plain}
-    if every.peak_bytes < plain:
-        points.add(every.peak_bytes)
-    points.update(
-        least.peak_bytes + round(f * (plain - least.peak_bytes)) for f in (0.25, 0.5, 0.75)
-    )
-    return sorted(points)
+from .conftest import assert_dp_not_slower_than_baselines
 
 
 @pytest.mark.parametrize("name", ["unet", "gpt"])
@@ -46,19 +26,7 @@ def test_dp_is_never_predicted_worse_than_a_baseline_on_estimated_times(name):
     # checked its plan against the baselines.
     ex = make(name)
     prof = gradckpt.profile(ex.model, ex.loss_fn, fake=True)
-    for budget in _budgets(prof):
-        dp = solve(prof, budget, "dp")
-        for solver in SOLVERS:
-            if solver == "dp":
-                continue
-            try:
-                baseline = solve(prof, budget, solver)
-            except BudgetError:
-                continue
-            assert dp.predicted_step_time <= baseline.predicted_step_time * (1 + 1e-9), (
-                f"{name} at {budget}: dp {dp.predicted_step_time:.5f}s > "
-                f"{solver} {baseline.predicted_step_time:.5f}s"
-            )
+    assert_dp_not_slower_than_baselines(name, prof)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "unet", "resnet"])

@@ -9,34 +9,25 @@ from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.chain import build_chain
 from gradckpt.planning.dp import ChainDP
 from gradckpt.planning.solvers import (
-    SOLVERS,
     every_kth_plan,
     finish,
     least_peak_plan,
     solve,
 )
 
-from .conftest import ZOO_NAMES, assert_same_step, run_step
-
-
-def _budgets(prof) -> list[int]:
-    model = build_chain(prof)
-    _, least = least_peak_plan(prof, model, ChainDP(model.chain))
-    plain = prof.measured_peak_bytes
-    _, every = finish(prof, every_kth_plan(prof, 1), None, "every_block")
-    points = {least.peak_bytes, plain}
-    if every.peak_bytes < plain:
-        points.add(every.peak_bytes)
-    points.update(
-        least.peak_bytes + round(f * (plain - least.peak_bytes)) for f in (0.25, 0.5, 0.75)
-    )
-    return sorted(points)
+from .conftest import (
+    ZOO_NAMES,
+    assert_dp_not_slower_than_baselines,
+    assert_same_step,
+    frontier_budgets,
+    run_step,
+)
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_dp_plans_fit_predict_and_keep_gradients(zoo, name):
     ex, prof, plain = zoo.get(name)
-    for budget in _budgets(prof):
+    for budget in frontier_budgets(prof):
         plan = solve(prof, budget, "dp")
         gradckpt.apply(ex.model, plan)
         try:
@@ -55,19 +46,7 @@ def test_dp_plans_fit_predict_and_keep_gradients(zoo, name):
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_dp_is_never_predicted_worse_than_a_baseline(zoo, name):
     _, prof, _ = zoo.get(name)
-    for budget in _budgets(prof):
-        dp = solve(prof, budget, "dp")
-        for solver in SOLVERS:
-            if solver == "dp":
-                continue
-            try:
-                baseline = solve(prof, budget, solver)
-            except BudgetError:
-                continue
-            assert dp.predicted_step_time <= baseline.predicted_step_time * (1 + 1e-9), (
-                f"{name} at {budget}: dp {dp.predicted_step_time:.4f}s > "
-                f"{solver} {baseline.predicted_step_time:.4f}s"
-            )
+    assert_dp_not_slower_than_baselines(name, prof)
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "bn_convnet"])
