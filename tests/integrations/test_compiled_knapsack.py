@@ -89,7 +89,7 @@ def test_cap_holds_in_the_graph_and_recompute_never_grows_with_it():
     assert flops[0] > flops[-1]  # a lower cap did buy its bytes with recompute
 
 
-def test_compiled_under_a_cap_gives_plain_gradients():
+def _assert_plain_gradients_under(partitioner_config):
     def grads(ex):
         ex.model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
@@ -100,11 +100,28 @@ def test_compiled_under_a_cap_gives_plain_gradients():
     ref_loss, ref = grads(make("gpt", **GPT))
     ex = make("gpt", **GPT)
     ex.model.compile(backend="aot_eager")
-    with saved_bytes_cap(0.3):
+    with partitioner_config:
         loss, got = grads(ex)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_compiled_under_a_cap_gives_plain_gradients():
+    # Fails if random ops are offered for recompute: dropout then draws new masks.
+    _assert_plain_gradients_under(saved_bytes_cap(0.3))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13: at activation_memory_budget=0.1 the partitioner's knapsack may "
+    "recompute native_dropout, and aot_eager does not replay its RNG (README: Compiled). "
+    "If this passes, torch fixed it: drop the mark and the README's claim.",
+)
+def test_the_compilers_own_knob_gives_plain_gradients_with_dropout():
+    import torch._functorch.config as functorch_config
+
+    _assert_plain_gradients_under(functorch_config.patch(activation_memory_budget=0.1))
 
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.5])
