@@ -30,12 +30,7 @@ SIZES = dict(layers=2, batch=16, seq=16)
 BUDGET = 0.8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _example(name: str, autocast: torch.dtype | None = BF16):

@@ -23,12 +23,7 @@ from gradckpt.profiling.units import find_blocks
 BUDGET = 0.7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SIZES = {

@@ -45,13 +45,7 @@ LAYER_CLASSES = {
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two OpenMP threads on a shared 2-core machine spin against other processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

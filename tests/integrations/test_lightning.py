@@ -63,12 +63,7 @@ def _fit(callbacks=(), *, steps: int = 3, module=None, **options):
     return module, trainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -89,12 +89,7 @@ def _unwrap_layers(model: nn.Module, paths: list[str]) -> None:
         del model.get_submodule(path).forward
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=["llama", "gpt2"])

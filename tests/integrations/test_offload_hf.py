@@ -21,12 +21,7 @@ from gradckpt.planning.offload_cost import OffloadOptions
 OPTIONS = OffloadOptions(min_bytes=1024)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _host_peak(model) -> int:

@@ -25,12 +25,7 @@ from gradckpt.planning.plan import iter_units
 BUDGET = 0.8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
