@@ -105,12 +105,15 @@ class SavedBytesSolver(CustomKnapsackSolver):
         # A random op recomputed in backward draws a new mask unless the backend
         # replays its seed (inductor does, aot_eager does not: the partitioner's
         # own knob at 0.1 then changes a dropout GPT's gradients). Never offered.
-        offered = [i for i, node in enumerate(banned) if not _is_random(node)]
-        pinned = [i for i in range(len(banned)) if _is_random(banned[i])]
+        random = [_is_random(node) for node in banned]
+        offered = [i for i, r in enumerate(random) if not r]
+        pinned = [i for i, r in enumerate(random) if r]
+        offered_memory = [memory[i] for i in offered]
+        offered_runtimes = [runtimes[i] for i in offered]
         default_bytes = _saved_bytes(p, joint_graph, node_info, _default_options(p))
         cap = self.fraction * default_bytes
         answers: dict[frozenset[int], tuple[float, int, list[int], list[int]]] = {}
-        total = sum(memory[i] for i in offered)
+        total = sum(offered_memory)
         # The whole range, and the compiler's own knob values on a 0.05 grid
         # (memory is normalised so that 1 is its default): at a cap no smaller
         # than what the compiler's answer at such a knob saves, that answer is
@@ -120,9 +123,7 @@ class SavedBytesSolver(CustomKnapsackSolver):
             | {min(total, i / _KNOB_STEPS) for i in range(_KNOB_STEPS + 1)}
         )
         for capacity in capacities:
-            _, kept, dropped = dp_knapsack(
-                [memory[i] for i in offered], [runtimes[i] for i in offered], capacity
-            )
+            _, kept, dropped = dp_knapsack(offered_memory, offered_runtimes, capacity)
             saved = pinned + [offered[i] for i in kept]
             recomputed = [offered[i] for i in dropped]
             key = frozenset(recomputed)
