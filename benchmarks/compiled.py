@@ -17,7 +17,13 @@ U-Net from ``gradckpt.testing``), contenders:
   bytes, measured, chosen from the table (never over, monotone);
 * ``gradckpt bytes F``: the compiler's partitioner held by gradckpt's knapsack
   solver (``integrations.compiled_knapsack.SavedBytesSolver``) to saving at most
-  F of the bytes its default saves, chosen on the compiled graph itself.
+  F of the bytes its default saves, chosen on the compiled graph itself;
+* ``gradckpt bytes <=amb=F``: the same solver capped at the bytes the compiler's
+  own knob F saves for the same graph: it saves no more and recomputes no more
+  FLOPs than the compiler's answer at F (where that answer is the cheapest that
+  fits, it *is* the compiler's partition, and the two rows tie);
+* ``twin amb=F``: a compiler point run again in a second process, to measure
+  the timing noise that stays with a process (never counted as gradckpt's).
 
 Two verdict tables per model: gradckpt's plans alone (``gradckpt`` and
 ``gradckpt fused`` rows), and gradckpt's whole candidate set (plans, the knob
@@ -29,7 +35,9 @@ process-wide and Dynamo's caches are shared by same-class models), compiled
 and warmed there; its peak is the allocator bytes one training step adds
 (``gradckpt.measure.AllocatorTracker``: what the step's allocator adds above
 its level before the step). Times: the coordinator asks the workers for
-one step each, round-robin (interleaved), and reports medians.
+one step each, in a new shuffled order every round (interleaved; a short gap
+lets the last worker's threads go idle), and reports medians. Verdicts pair
+the rounds (``benchmarks.compiled_report``).
 
 Usage:
     python -m benchmarks.compiled                         # full sizes, inductor
@@ -40,7 +48,9 @@ Usage:
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import random
 import statistics
 import sys
 import tempfile
@@ -54,21 +64,20 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 from benchmarks.common import (
-    MiB,
     base_parser,
-    fmt_ratio,
-    info_block,
     load_average,
     load_note,
     machine_info,
-    markdown_table,
     mib,
     settle,
     write_results,
 )
+from benchmarks.compiled_report import OURS_ALL, plot, report, verdicts
 
 MODELS = ("gpt2", "llama", "unet")
-KINDS = ("compiler", "gradckpt", "knob", "bytes")
+KINDS = ("compiler", "twin", "gradckpt", "knob", "bytes")
+# Between two workers' steps: the last one's OpenMP threads stop spinning before the next starts.
+GAP_S = 0.05
 FULL: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
     "llama": dict(layers=8, hidden=256, heads=4, seq=256, batch=4, vocab=4096),
@@ -120,9 +129,10 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
     import gradckpt
     from gradckpt.measure import AllocatorTracker
 
+    solver = None
     try:
         ex = _example(model, sizes)
-        if spec["kind"] in ("compiler", "knob"):
+        if spec["kind"] in ("compiler", "twin", "knob"):
             import torch._functorch.config as functorch_config
 
             functorch_config.activation_memory_budget = spec["budget"]
@@ -136,7 +146,8 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
             )
 
             # Set for the worker's life: the partitioner runs at the first step.
-            for key, value in saved_bytes_config(SavedBytesSolver(spec["fraction"])).items():
+            solver = SavedBytesSolver(spec.get("fraction"), knob=spec.get("knob"))
+            for key, value in saved_bytes_config(solver).items():
                 setattr(functorch_config, key, value)
             ex.model.compile(backend=spec["backend"])
         elif spec["kind"] == "gradckpt":
@@ -158,7 +169,9 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         torch.manual_seed(0)
         with AllocatorTracker() as measured:
             ex.loss_fn().backward()
-        conn.send(dict(peak=measured.peak_bytes, method=measured.method, first_s=first, loss=loss))
+        chosen = [c._asdict() for c in solver.chosen] if solver is not None else None
+        conn.send(dict(peak=measured.peak_bytes, method=measured.method, first_s=first, loss=loss,
+                       **({"partitions": chosen} if chosen is not None else {})))  # fmt: skip
         while conn.recv() == "step":
             started = time.perf_counter()
             step()
@@ -211,12 +224,18 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
     for b in budgets:
         specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
+    for b in budgets[::2]:  # some of the same configurations again, in their own processes
+        specs[f"twin amb={b:g}"] = dict(
+            kind="twin", budget=b, backend=args.backend, twin_of=f"compile amb={b:g}"
+        )
     for label, path in _plans(model, sizes, fractions, fused, folder).items():
         specs[label] = dict(kind="gradckpt", plan=path, backend=args.backend)
     for b in knobs:
         specs[f"gradckpt knob amb={b:g}"] = dict(kind="knob", budget=b, backend=args.backend)
     for f in saved:
         specs[f"gradckpt bytes {f:g}"] = dict(kind="bytes", fraction=f, backend=args.backend)
+    for b in budgets:  # capped at what the compiler's own knob saves: dominates it in bytes, FLOPs
+        specs[f"gradckpt bytes <=amb={b:g}"] = dict(kind="bytes", knob=b, backend=args.backend)
     kinds = set(args.kinds) | {"eager"}
     specs = {label: spec for label, spec in specs.items() if spec["kind"] in kinds}
     ctx = mp.get_context("spawn")
@@ -236,13 +255,23 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
             results[label] = dict(kind=spec["kind"], error=first["error"])
             proc.join()
             continue
-        results[label] = dict(kind=spec["kind"], budget=spec.get("budget"), times=[], **first)
+        results[label] = dict(
+            kind=spec["kind"], budget=spec.get("budget"), times=[], **first,
+            **({"twin_of": spec["twin_of"]} if "twin_of" in spec else {}),
+        )  # fmt: skip
         workers[label] = (parent, proc)
         print(
             f"  {model} {label}: peak {mib(first['peak'])} MiB, first step {first['first_s']:.1f} s"
         )
-    for round_ in range(args.warmup + args.repeats):  # interleaved: A B C A B C ...
-        for label, (conn, _) in workers.items():
+    # Interleaved rounds, each in a new shuffled order: a worker is not always stepped right
+    # after the same neighbour (whose threads may still be busy), so no order bias persists.
+    shuffle = random.Random(args.seed)
+    for round_ in range(args.warmup + args.repeats):
+        order = list(workers)
+        shuffle.shuffle(order)
+        for label in order:
+            time.sleep(GAP_S)
+            conn = workers[label][0]
             conn.send("step")
             seconds = conn.recv()
             if round_ >= args.warmup:
@@ -256,111 +285,16 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     return results
 
 
-def _verdicts(
-    rows: dict[str, dict[str, Any]], kinds: tuple[str, ...] = ("gradckpt",)
-) -> list[tuple[str, str, str]]:
-    """Per compiler point: the fastest of ``kinds``' points with a peak no higher, win or loss."""
-    ours = [(k, r) for k, r in rows.items() if r.get("kind") in kinds and "median_s" in r]
-    out = []
-    for label, row in rows.items():
-        if row.get("kind") != "compiler" or "median_s" not in row:
-            continue
-        fitting = [(k, r) for k, r in ours if r["peak"] <= row["peak"]]
-        if not fitting:
-            out.append((label, "none with a peak this low", "loss"))
-            continue
-        best_label, best = min(fitting, key=lambda kr: kr[1]["median_s"])
-        won = best["median_s"] <= row["median_s"]
-        t = best["median_s"] / row["median_s"]
-        out.append((label, f"{best_label} (peak {mib(best['peak'])}, time x{t:.2f})",
-                    "win" if won else "loss"))  # fmt: skip
-    return out
-
-
-def _plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(data["results"])
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rows = data["results"][model]
-        eager = rows.get("eager", {})
-        for kind, style in (
-            ("compiler", "s-"),
-            ("gradckpt", "o-"),
-            ("knob", "^:"),
-            ("bytes", "v-"),
-            ("eager", "k*"),
-        ):
-            pts = sorted(
-                (r["peak"] / MiB, r["median_s"], k) for k, r in rows.items()
-                if r.get("kind") == kind and "median_s" in r
-            )  # fmt: skip
-            if not pts:
-                continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=kind)
-            for x, y, k in pts:
-                ax.annotate(k.split(" ")[-1], (x, y), fontsize=7)
-        if "peak" in eager:
-            ax.axvline(eager["peak"] / MiB, color="grey", lw=0.5)
-        ax.set_title(model)
-        ax.set_xlabel("allocator peak of a step (MiB)")
-        ax.set_ylabel("median step (s)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _report(data: dict[str, Any]) -> str:
-    parts = [
-        f"# Compiled: torch.compile's activation_memory_budget vs gradckpt's plan inside "
-        f"the compiled graph, CPU ({data['info']['date']})",
-        "Each point runs in its own process; peak = allocator bytes one training step adds "
-        "(forward, backward, gradients). Times: one step per contender in turn, median of "
-        f"the rounds. Ratios are over `eager` (no plan, not compiled). {data['info']['load_note']}",
-    ]
-    for model, rows in data["results"].items():
-        eager = rows.get("eager", {})
-        table = []
-        for label, r in rows.items():
-            if "error" in r:
-                table.append((f"`{label}`", "failed", "", "", "", r["error"][:80]))
-                continue
-            table.append((
-                f"`{label}`", mib(r["peak"]),
-                fmt_ratio(r["peak"] / eager["peak"]) if eager.get("peak") else "",
-                f"{r['median_s']:.3f}",
-                fmt_ratio(r["median_s"] / eager["median_s"]) if eager.get("median_s") else "",
-                f"{r['loss']:.4f}",
-            ))  # fmt: skip
-        parts += [
-            f"## {model} {data['info']['sizes'][model]}",
-            markdown_table(
-                [
-                    "contender",
-                    "peak (MiB)",
-                    "peak / eager",
-                    "median step (s)",
-                    "time / eager",
-                    "first loss",
-                ],
-                table,
-            ),
-            "At each compiler point's peak, the fastest gradckpt *plan* with a peak no higher:",
-            markdown_table(
-                ["compiler point", "gradckpt point", "verdict"], data["verdicts"][model]
-            ),
-            "The same over gradckpt's whole candidate set (plans, the compiler's knob "
-            "driven in bytes and the saved-bytes solver: what `fit_compiled` chooses from):",
-            markdown_table(
-                ["compiler point", "gradckpt point", "verdict"], data["verdicts_all"][model]
-            ),
-        ]
-    parts += ["## Setup", info_block(data["info"])]
-    return "\n\n".join(parts)
+def _render(data: dict[str, Any], out: Path, what: str) -> None:
+    """Verdicts from the measured rows, then the Markdown, JSON and plot."""
+    data["verdicts"] = {m: verdicts(rows) for m, rows in data["results"].items()}
+    data["verdicts_all"] = {m: verdicts(rows, OURS_ALL) for m, rows in data["results"].items()}
+    md = report(data)
+    md_path, json_path = write_results(out, what, md, data, date=data["info"]["date"])
+    png = md_path.with_suffix(".png")
+    plot(data, png)
+    print(md)
+    print(f"\nwrote {md_path}, {json_path} and {png}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,38 +305,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                    help="which contenders to run (eager always runs)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.from_json is not None:  # re-render an earlier run (e.g. with today's verdict rule)
+        data = json.loads(args.from_json.read_text())
+        data["info"].setdefault("shuffled", False)
+        _render(data, args.out, args.from_json.stem.rsplit("-cpu-", 1)[0])
+        return 0
+    if not args.quick:  # paired verdicts want more rounds than the shared defaults
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.repeats = 15 if args.repeats is None else args.repeats
     settle(args)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     models = args.models or (["gpt2"] if args.quick else list(MODELS))
     load_before = load_average()
     started = time.perf_counter()
-    results, verdicts, verdicts_all = {}, {}, {}
+    results = {}
     with tempfile.TemporaryDirectory() as folder:
         for model in models:
             print(f"compiled benchmark: {model}, backend {args.backend}")
             results[model] = _bench_model(model, args, Path(folder))
-            verdicts[model] = _verdicts(results[model])
-            verdicts_all[model] = _verdicts(results[model], ("gradckpt", "knob", "bytes"))
     info = machine_info(
         backend=args.backend, models=models, quick=args.quick, threads=args.threads,
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,
-        warmup=args.warmup, repeats=args.repeats,
+        warmup=args.warmup, repeats=args.repeats, shuffled=True, gap_s=GAP_S,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
         wall_time_s=round(time.perf_counter() - started, 1),
     )  # fmt: skip
     info["load_note"] = load_note(info)
-    data = {
-        "version": 2, "info": info, "results": results,
-        "verdicts": verdicts, "verdicts_all": verdicts_all,
-    }  # fmt: skip
-    md = _report(data)
-    what = "compiled" if args.models is None else "compiled-" + "-".join(models)
-    md_path, json_path = write_results(args.out, what, md, data)
-    png = md_path.with_suffix(".png")
-    _plot(data, png)
-    print(md)
-    print(f"\nwrote {md_path}, {json_path} and {png}")
+    data = {"version": 3, "info": info, "results": results}
+    _render(data, args.out, "compiled" if args.models is None else "compiled-" + "-".join(models))
     return 0
 
 

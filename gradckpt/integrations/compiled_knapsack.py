@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -61,6 +62,12 @@ class SavedBytesSolver(CustomKnapsackSolver):
     Args:
         fraction: the cap, as a fraction of the bytes the partitioner's default
             (runtime-optimised) choice saves for the same graph; in [0, 1].
+        knob: instead of ``fraction``, the cap is what the compiler's own
+            ``activation_memory_budget=knob`` saves for the same graph (its whole
+            route, :func:`_knob_saved_bytes`): the answer then saves no more bytes
+            than the compiler's at that knob and recomputes no more FLOPs than
+            any answer of the sweep that fits, the compiler's own knapsack answer
+            included (random ops aside, which it never offers).
         sweep: knapsack capacities to try over the whole range (more: finer
             choice, slower partitioning; each distinct answer costs one
             min-cut). The compiler's own knob values 0, 0.05, ..., 1 are tried too.
@@ -68,26 +75,36 @@ class SavedBytesSolver(CustomKnapsackSolver):
     ``chosen`` records a :class:`Partition` per partitioned graph.
 
     Example:
-        >>> solver = SavedBytesSolver(0.5)
+        >>> solver = SavedBytesSolver(0.5)  # or SavedBytesSolver(knob=0.5)
         >>> with torch._functorch.config.patch(activation_memory_budget_solver=solver,
         ...                                    activation_memory_budget=1e-6): ...
     """
 
-    def __init__(self, fraction: float, sweep: int = 24) -> None:
-        if not 0.0 <= fraction <= 1.0:
+    def __init__(
+        self, fraction: float | None = None, sweep: int = 24, *, knob: float | None = None
+    ) -> None:
+        if (fraction is None) == (knob is None):
             raise ValueError(
-                f"SavedBytesSolver: fraction {fraction!r} is outside [0, 1]; it is the share of the "
-                "compiler default's saved bytes a graph may keep"
+                "SavedBytesSolver: give exactly one of fraction= (a share of the default's saved "
+                "bytes) and knob= (the bytes the compiler's own activation_memory_budget saves)"
             )
+        for name, value in (("fraction", fraction), ("knob", knob)):
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"SavedBytesSolver: {name} {value!r} is outside [0, 1]; "
+                    + ("it is the share of the compiler default's saved bytes a graph may keep"
+                       if name == "fraction" else "it is an activation_memory_budget value")
+                )  # fmt: skip
         if sweep < 2:
             raise ValueError(f"SavedBytesSolver: sweep {sweep!r} must be at least 2")
-        self.fraction = float(fraction)
+        self.fraction = None if fraction is None else float(fraction)
+        self.knob = None if knob is None else float(knob)
         self.sweep = int(sweep)
         self.chosen: list[Partition] = []
 
     def uuid(self) -> Any:
         # Part of the compile cache key: graphs partitioned under different caps differ.
-        return ("gradckpt.SavedBytesSolver", 1, self.fraction, self.sweep)
+        return ("gradckpt.SavedBytesSolver", 2, self.fraction, self.knob, self.sweep)
 
     def __call__(
         self,
@@ -111,7 +128,11 @@ class SavedBytesSolver(CustomKnapsackSolver):
         offered_memory = [memory[i] for i in offered]
         offered_runtimes = [runtimes[i] for i in offered]
         default_bytes = _saved_bytes(p, joint_graph, node_info, _default_options(p))
-        cap = self.fraction * default_bytes
+        if self.knob is not None:
+            cap = float(_knob_saved_bytes(p, joint_graph, node_info, memory, runtimes, banned,
+                                          self.knob))  # fmt: skip
+        else:
+            cap = self.fraction * default_bytes
         answers: dict[frozenset[int], tuple[float, int, list[int], list[int]]] = {}
         total = sum(offered_memory)
         # The whole range, and the compiler's own knob values on a 0.05 grid
@@ -154,6 +175,16 @@ def _default_options(p: Any) -> Any:
     )
 
 
+def _more_aggressive_options(p: Any) -> Any:
+    """The partitioner's first fallback below its default: three ban rules off."""
+    return dataclasses.replace(
+        _default_options(p),
+        ban_if_used_far_apart=False,
+        ban_if_long_fusible_chains=False,
+        ban_if_materialized_backward=False,
+    )
+
+
 def _aggressive_options(p: Any) -> Any:
     """The rules the partitioner applies after its knapsack (every ban rule but reductions off)."""
     return p.MinCutOptions(
@@ -163,6 +194,35 @@ def _aggressive_options(p: Any) -> Any:
         ban_if_not_in_allowlist=False,
         ban_if_reduction=p.config.ban_recompute_reductions,
     )
+
+
+def _knob_saved_bytes(
+    p: Any, graph: Any, node_info: Any, memory: list[float], runtimes: list[float],
+    banned: list[torch.fx.Node], knob: float,
+) -> int:  # fmt: skip
+    """The bytes the compiler's own ``activation_memory_budget=knob`` saves for this graph.
+
+    The partitioner's route, step by step (``choose_saved_values_set``): its
+    default at 1, only the inputs at 0, else the first of its "more aggressive"
+    and "aggressive" min-cuts whose share of the default-to-inputs range is
+    under the knob, else its knapsack at that capacity (every banned node
+    offered, random ones too) followed by the aggressive min-cut.
+    """
+    from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+
+    default = _saved_bytes(p, graph, node_info, _default_options(p))
+    least = sum(p._size_of(node) for node in node_info.inputs)
+    if knob >= 1.0 or default <= least:
+        return default
+    if knob <= 0.0:
+        return least
+    for options in (_more_aggressive_options(p), _aggressive_options(p)):
+        saved = _saved_bytes(p, graph, node_info, options)
+        if (saved - least) / (default - least) < knob:
+            return saved
+    _, _, dropped = dp_knapsack(memory, runtimes, knob)
+    dont_ban = p.OrderedSet(banned[i] for i in dropped)
+    return _saved_bytes(p, graph, node_info, _aggressive_options(p), dont_ban)
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -208,7 +268,9 @@ def saved_bytes_config(solver: SavedBytesSolver) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def saved_bytes_cap(fraction: float, sweep: int = 24) -> Iterator[SavedBytesSolver]:
+def saved_bytes_cap(
+    fraction: float | None = None, sweep: int = 24, *, knob: float | None = None
+) -> Iterator[SavedBytesSolver]:
     """Graphs partitioned inside this block save at most ``fraction`` of the default's bytes.
 
     Example:
@@ -218,6 +280,6 @@ def saved_bytes_cap(fraction: float, sweep: int = 24) -> Iterator[SavedBytesSolv
     """
     import torch._functorch.config as functorch_config
 
-    solver = SavedBytesSolver(fraction, sweep)
+    solver = SavedBytesSolver(fraction, sweep, knob=knob)
     with functorch_config.patch(**saved_bytes_config(solver)):
         yield solver

@@ -26,7 +26,7 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     assert md.with_suffix(".png").stat().st_size > 0
     rows = data["results"]["gpt2"]
     kinds = {r["kind"] for r in rows.values()}
-    assert kinds == {"eager", "compiler", "gradckpt", "knob", "bytes"}, rows
+    assert kinds == {"eager", "compiler", "twin", "gradckpt", "knob", "bytes"}, rows
     for label, row in rows.items():
         assert "error" not in row, (label, row)
         assert row["peak"] > 0 and row["median_s"] > 0
@@ -34,4 +34,9 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     assert len(data["verdicts"]["gpt2"]) == len(data["verdicts_all"]["gpt2"]) == compiler_points
     text = md.read_text()
     assert "| contender | peak (MiB) | peak / eager |" in text
-    assert "| compiler point | gradckpt point | verdict |" in text
+    assert "| compiler point | gradckpt point | paired time ratio (95% interval) | verdict |" in text
+    assert "| twin | paired time ratio (95% interval) |" in text
+    # The knob-matched rows record the compiler's bytes at their knob as their cap.
+    matched = [r for label, r in rows.items() if "<=amb=" in label]
+    assert matched and all(r["partitions"] for r in matched)
+    assert "| contender | default saves (MiB) | cap (MiB) | saved (MiB) |" in text

@@ -60,12 +60,12 @@ def _graph_outputs_backend(backward_flops=None):
     return backend, outputs
 
 
-def _compiled_under_cap(fraction, sizes=GPT, backward_flops=None):
+def _compiled_under_cap(fraction, sizes=GPT, backward_flops=None, knob=None):
     torch._dynamo.reset()
     ex = make("gpt", **sizes)
     backend, outputs = _graph_outputs_backend(backward_flops)
     ex.model.compile(backend=backend, fullgraph=True)
-    with saved_bytes_cap(fraction) as solver:
+    with saved_bytes_cap(fraction, knob=knob) as solver:
         ex.loss_fn().backward()
     assert len(solver.chosen) == 1 and len(outputs) == 1  # one graph
     return solver.chosen[0], outputs[0]
@@ -128,11 +128,20 @@ def test_the_compilers_own_knob_gives_plain_gradients_with_dropout():
 def test_a_fraction_outside_0_1_is_refused(fraction):
     with pytest.raises(ValueError, match="outside \\[0, 1\\]"):
         SavedBytesSolver(fraction)
+    with pytest.raises(ValueError, match=r"knob .* outside \[0, 1\]"):
+        SavedBytesSolver(knob=fraction)
+
+
+def test_exactly_one_of_fraction_and_knob():
+    for kwargs in ({}, {"fraction": 0.5, "knob": 0.5}):
+        with pytest.raises(ValueError, match=r"exactly one of fraction= .* and knob="):
+            SavedBytesSolver(**kwargs)
 
 
 def test_solver_identity_separates_compile_caches():
     assert SavedBytesSolver(0.5).uuid() == SavedBytesSolver(0.5).uuid()
     assert SavedBytesSolver(0.5).uuid() != SavedBytesSolver(0.4).uuid()
+    assert SavedBytesSolver(knob=0.5).uuid() != SavedBytesSolver(0.5).uuid()
 
 
 @pytest.mark.parametrize("knob", [0.5, 0.3])
@@ -160,3 +169,35 @@ def test_at_the_compilers_saved_bytes_it_recomputes_no_more(knob):
     ours, _ = _compiled_under_cap(compiler_saved / default.default_bytes, sizes, our_flops)
     assert ours.saved_bytes <= compiler_saved
     assert our_flops[0] <= compiler_flops[0], (our_flops, compiler_flops)
+
+
+def _compiler_at_knob(knob, sizes):
+    """What the compiler's own knob saves (read from its forward graph) and its backward FLOPs."""
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    ex = make("gpt", **sizes)
+    flops: list[float] = []
+    backend, outputs = _graph_outputs_backend(flops)
+    ex.model.compile(backend=backend, fullgraph=True)
+    with functorch_config.patch(activation_memory_budget=knob):
+        ex.loss_fn().backward()
+    default, default_graph = _compiled_under_cap(1.0, sizes)
+    return outputs[0] - (default_graph - default.saved_bytes), flops[0]
+
+
+# On this GPT the routes are: 1.0 default, 0.8 more aggressive (its share is 0.77), 0.5
+# aggressive (0.50), 0.3 knapsack, 0.0 inputs only.
+@pytest.mark.parametrize("knob", [1.0, 0.8, 0.5, 0.3, 0.0])
+def test_a_knob_cap_is_what_the_compilers_knob_saves_and_is_dominated(knob):
+    """``knob=`` caps at exactly the bytes the compiler's own knob saves for the graph (every
+    route of the partitioner: default, more aggressive, aggressive, knapsack, inputs only), and
+    the answer saves no more and recomputes no more FLOPs than the compiler's. Without dropout,
+    as above."""
+    sizes = {**GPT, "dropout": 0.0}
+    compiler_saved, compiler_flops = _compiler_at_knob(knob, sizes)
+    our_flops: list[float] = []
+    ours, _ = _compiled_under_cap(None, sizes, our_flops, knob=knob)
+    assert ours.cap_bytes == compiler_saved
+    assert ours.saved_bytes <= compiler_saved
+    assert our_flops[0] <= compiler_flops, (our_flops, compiler_flops)

@@ -1,0 +1,52 @@
+"""The compiled benchmark's verdict rule: paired per-round ratios, a peak no higher, median <= 1."""
+
+from __future__ import annotations
+
+from benchmarks.compiled_report import median_interval, paired_ratios, twin_noise, verdicts
+
+
+def _row(kind, peak, times, **extra):
+    return dict(kind=kind, peak=peak, times=times, median_s=sorted(times)[len(times) // 2], **extra)
+
+
+def test_paired_ratios_follow_the_rounds_not_the_medians():
+    # Round-to-round drift: both slow in the same rounds; ours is 2% faster in every round.
+    theirs = [1.0, 1.5, 1.0, 1.5, 1.0]
+    ours = [t * 0.98 for t in theirs]
+    rows = {"compile amb=1": _row("compiler", 100, theirs), "gradckpt bytes 0.5": _row("bytes", 90, ours)}
+    ratios = paired_ratios(rows["gradckpt bytes 0.5"], rows["compile amb=1"])
+    assert ratios == [r / t for r, t in zip(ours, theirs)]
+    ((point, chosen, ratio, verdict),) = verdicts(rows, ("bytes",))
+    assert (point, verdict) == ("compile amb=1", "win")
+    assert chosen.startswith("gradckpt bytes 0.5") and ratio.startswith("x0.980")
+
+
+def test_a_slower_or_higher_point_loses():
+    theirs = [1.0, 1.01, 0.99, 1.0, 1.02]
+    rows = {
+        "compile amb=0.5": _row("compiler", 100, theirs),
+        "gradckpt bytes 0.6": _row("bytes", 120, [t * 0.5 for t in theirs]),  # fast, too big
+        "gradckpt bytes 0.5": _row("bytes", 100, [t * 1.05 for t in theirs]),  # fits, slower
+    }
+    ((_, chosen, _, verdict),) = verdicts(rows, ("bytes",))
+    assert chosen.startswith("gradckpt bytes 0.5") and verdict == "loss"
+    rows.pop("gradckpt bytes 0.5")
+    assert verdicts(rows, ("bytes",))[0][1:] == ("none with a peak this low", "", "loss")
+
+
+def test_noise_is_called_when_the_interval_holds_one():
+    theirs = [1.0] * 9
+    ours = [0.97, 1.03, 0.98, 1.02, 0.99, 1.01, 0.96, 1.04, 1.0]
+    median, low, high = median_interval([o / t for o, t in zip(ours, theirs)])
+    assert low < 1.0 < high and median == 1.0
+    rows = {"compile amb=1": _row("compiler", 10, theirs), "gradckpt 0.5": _row("gradckpt", 10, ours)}
+    assert verdicts(rows)[0][3] == "win (within noise)"
+
+
+def test_twins_report_their_ratio_against_the_original():
+    rows = {
+        "compile amb=1": _row("compiler", 10, [1.0, 2.0, 1.0]),
+        "twin amb=1": _row("twin", 10, [1.1, 2.2, 1.1], twin_of="compile amb=1"),
+    }
+    ((label, text),) = twin_noise(rows)
+    assert label == "twin amb=1" and text.startswith("x1.100")
