@@ -89,6 +89,7 @@ def test_fit_compile_inductor_gives_plain_gradients(loss_and_grads, assert_steps
         # Something is recomputed: a unit, or a segment (whose units read "keep").
         assert any(isinstance(i, Segment) or i.mode != "keep" for i in plan.items)
         assert compiled_plan(ex.model) == plan
+        assert plan.measured_compiled_peak_bytes <= plan.budget_bytes  # held, measured
         got = loss_and_grads(ex)
     assert_steps_close(ref, got, atol=1e-4)
 
