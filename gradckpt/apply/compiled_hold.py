@@ -1,21 +1,27 @@
 """``fit(..., compile=True)`` holds its byte budget where the compiled step allocates.
 
 A plan is made from the *eager* profile; the compiled graph runs it with other
-memory: AOT autograd decomposes ops (GELU-tanh into a chain of pointwise ops,
-layer norm and softmax backward too), and a unit recomputed inside the compiled
-backward keeps every intermediate the decomposed backward formulas read, where
-eager's fused ``gelu_backward`` keeps only its input. Measured on the 4-layer
-GPT of ``gradckpt.testing`` (d=64, T=32, batch 4, ``aot_eager_decomp_partition``,
-every block recomputed): 0.29 MB (dropout 0.1) and 0.39 MB (no dropout) above
-the same plan eagerly, at the allocator; a fit at 0.6 of the plain peak measured
-3.31 MB compiled against a 2.99 MB budget. So the prediction cannot be trusted
+memory. Where a backend decomposes GELU-tanh (``aot_eager_decomp_partition``,
+inductor), a unit recomputed inside the compiled backward keeps intermediates
+of its recomputed forward that the decomposed GELU backward reads: four
+(B, T, 4C) tensors unfused (x*x, x/2, tanh, 1+tanh), one under inductor's fusion
+(tanh), where eager's ``gelu_backward`` reads its input only. Measured on the
+4-layer GPT of ``gradckpt.testing`` (d=64, T=32, batch 4, every block
+recomputed, ``aot_eager_decomp_partition``): 0.29 MB (dropout 0.1) and 0.39 MB
+(no dropout) above the same plan eagerly, at the allocator; without
+decompositions (``aot_eager``) or with ReLU, no higher than eager
+(tests/apply/test_compiled_hold.py). A fit at 0.6 of the plain peak measured
+3.31 MB compiled against a 2.99 MB budget. The tags cannot change what the
+backend's backward formulas read. So the prediction cannot be trusted
 and :func:`hold_budget` *measures*: one compiled training step under
 :class:`~gradckpt.measure.AllocatorTracker`; over the budget, it plans again for
 a budget shrunk by the plan's miss (``budget * predicted / measured``),
 recompiles and measures again, a few tries at most. If none fits it raises
 :class:`~gradckpt.planning.budget.BudgetError` naming the least measured peak,
 and the caller restores the model. The plan that holds records its measured
-peak (``Plan.measured_compiled_peak_bytes``).
+peak (``Plan.measured_compiled_peak_bytes``). Plans made again are the
+planner's for the tighter budget (not measured for speed, as ``fit``'s first
+candidates are).
 
 Cost: per try one compile and three compiled steps (compile, warm, measured).
 
