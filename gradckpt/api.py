@@ -247,8 +247,13 @@ def fit(
             measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
         compile: True or ``torch.compile`` arguments: run the plan inside one
-            compiled graph (:func:`gradckpt.compile`; segments included). A call
-            at a new shape reinstalls the eager plan for it.
+            compiled graph (:func:`gradckpt.compile`; segments included). The
+            budget is then held at the allocator, measured: one compiled step is
+            measured, and one over the budget is planned again tighter and
+            recompiled (up to 3 compiles, :mod:`gradckpt.apply.compiled_hold`);
+            the plan records ``measured_compiled_peak_bytes``. ``BudgetError``
+            (the model left plain) if none fits. A call at a new shape
+            reinstalls the eager plan for it (not measured compiled).
 
     Example:
         >>> plan = gradckpt.fit(model, loss_fn, budget=0.5)
@@ -287,7 +292,7 @@ def fit(
         )
     options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts)
     with adapters.training(model):  # transformers: use_cache off for training, said once
-        fitted, chosen, _ = api_shapes.plan_fitted(
+        fitted, chosen, prof = api_shapes.plan_fitted(
             model, loss_fn, budget, options, measure_candidates
         )
         if fitted is None:
@@ -298,20 +303,32 @@ def fit(
                 stacklevel=2,
             )
             apply(model, chosen)
-            return chosen
-        planner = api_shapes.shape_planner(
-            model, fitted, chosen.budget_bytes, options, loss_from, seq_dim, rescale
-        )
-        plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
-        for call in replan.calls_for(fitted, shapes or (), seq_dim):
-            if call.key not in plans:
-                plans[call.key] = api_shapes.plan_shape(planner, call)
-        guard = api_shapes.guard(model, on_new_shape, plans, fitted.key, planner, round_up)
-        install_guarded(model, chosen, guard)
-    if compile:
-        from gradckpt.apply.compiled import compile as compile_planned
 
-        compile_planned(model, loss_fn, **(compile if isinstance(compile, dict) else {}))
+            def put(held: Plan) -> None:
+                apply(model, held)
+        else:
+            planner = api_shapes.shape_planner(
+                model, fitted, chosen.budget_bytes, options, loss_from, seq_dim, rescale
+            )
+            plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
+            for call in replan.calls_for(fitted, shapes or (), seq_dim):
+                if call.key not in plans:
+                    plans[call.key] = api_shapes.plan_shape(planner, call)
+            guard = api_shapes.guard(model, on_new_shape, plans, fitted.key, planner, round_up)
+            install_guarded(model, chosen, guard)
+
+            def put(held: Plan) -> None:
+                plans[fitted.key] = held
+                install_guarded(model, held, guard)
+    if compile:
+        from gradckpt.apply.compiled_hold import compile_within_budget
+
+        # Tighter plans come from the same profile (segments as plan_fitted allowed them).
+        tighter = Planner(prof, segments=segments and fitted is not None)
+        kwargs = compile if isinstance(compile, dict) else {}
+        chosen = compile_within_budget(model, loss_fn, chosen, tighter, solver, put, **kwargs)
+        if fitted is not None:
+            plans[fitted.key] = chosen  # the guard's record carries the measured peak too
     return chosen
 
 

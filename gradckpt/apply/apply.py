@@ -35,6 +35,7 @@ __all__ = [
     "on_remove",
     "prepare_for_compile",
     "remove",
+    "restamp_plan",
 ]
 
 
@@ -66,6 +67,17 @@ def applied_plan(model: nn.Module) -> Plan | None:
     """The plan installed on ``model`` by :func:`apply`, or None."""
     installed = _installed(model)
     return installed.plan if installed is not None else None
+
+
+def restamp_plan(model: nn.Module, plan: Plan) -> None:
+    """Record ``plan`` as the installed one: the same decisions, other measured fields.
+
+    ``fit(..., compile=True)`` learns the compiled peak only after installing.
+    """
+    installed = _installed(model)
+    if installed is None or installed.plan.items != plan.items:
+        raise ValueError("restamp_plan: the model does not run this plan's decisions")
+    installed.plan = plan
 
 
 def applied_units(model: nn.Module) -> dict[str, UnitSpec]:

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradckpt.apply.apply import applied_plan, applied_units
+from gradckpt.apply.apply import applied_plan, applied_units, restamp_plan
 from gradckpt.apply.compiled_segments import segment_contexts, segment_of
 from gradckpt.apply.compiled_watch import watch
 from gradckpt.apply.guard import guard_of
@@ -53,7 +53,7 @@ from gradckpt.engine.decisions import Keep, Recompute, Selective
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
 from gradckpt.planning import Plan, UnitChoice
 
-__all__ = ["compile", "compiled_plan", "uncompile"]
+__all__ = ["compile", "compiled_plan", "restamp_compiled", "uncompile"]
 
 #: model -> (plan it was compiled with, [(module, forward it had before)]).
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, tuple[Plan, list[tuple[nn.Module, Any]]]] = (
@@ -143,6 +143,15 @@ def compiled_plan(model: nn.Module) -> Plan | None:
     """The plan :func:`compile` put inside ``model``'s compiled graph, or None."""
     entry = _COMPILED.get(model)
     return entry[0] if entry is not None else None
+
+
+def restamp_compiled(model: nn.Module, plan: Plan) -> None:
+    """Record ``plan`` (the compiled decisions, other measured fields) as what ``model`` runs."""
+    entry = _COMPILED.get(model)
+    if entry is None or entry[0].items != plan.items:
+        raise ValueError("restamp_compiled: the model is not compiled with this plan's decisions")
+    _COMPILED[model] = (plan, entry[1])
+    restamp_plan(model, plan)
 
 
 def uncompile(model: nn.Module) -> nn.Module:

@@ -35,7 +35,7 @@ from torch import nn
 
 from gradckpt.planning.planset import shape_key
 
-__all__ = ["CompileStats", "compile_stats", "watch"]
+__all__ = ["CompileStats", "compile_stats", "unwatch", "watch"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,8 @@ def compile_stats(model: nn.Module) -> CompileStats | None:
     """
     state = _WATCHES.get(model)
     return state.stats() if state is not None else None
+
+
+def unwatch(model: nn.Module) -> None:
+    """Forget ``model``'s counts (its compiled call is gone: ``fit`` gave its compile up)."""
+    _WATCHES.pop(model, None)

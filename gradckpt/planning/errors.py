@@ -22,8 +22,10 @@ _NUMBERS = {
     "predicted_recompute_flops": "an int",
 }
 _OPTIONAL_NUMBERS = ("measured_overhead",)  # null when fit did not measure
+_OPTIONAL_INTS = ("measured_compiled_peak_bytes",)  # null unless fit(compile=True) measured
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
-          "measured_overhead_range", "peak_level", "offload", *_OPTIONAL_NUMBERS, *_NUMBERS}  # fmt: skip
+          "measured_overhead_range", "peak_level", "offload", *_OPTIONAL_NUMBERS,
+          *_OPTIONAL_INTS, *_NUMBERS}  # fmt: skip
 
 
 class PlanFormatError(ValueError):
@@ -89,6 +91,10 @@ def check_plan_fields(data: Any, source: str | None = None) -> None:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise _fail(source, key, f"must be a number or null, got {value!r}")
+    for key in _OPTIONAL_INTS:
+        value = data.get(key)
+        if value is not None and not _is_int(value):
+            raise _fail(source, key, f"must be an int or null, got {value!r}")
     spread = data.get("measured_overhead_range")
     if spread is not None and not (
         isinstance(spread, (list, tuple)) and len(spread) == 2

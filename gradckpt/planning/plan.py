@@ -175,6 +175,10 @@ class Plan:
     #: The link and host budget the plan's ``offload`` units were planned for (None: no
     #: offload was considered).
     offload: OffloadOptions | None = None
+    #: What one compiled training step of this plan peaked at, at the allocator
+    #: (parameters and buffers included), measured by ``fit(..., compile=True)``;
+    #: None: not measured (eager plans).
+    measured_compiled_peak_bytes: int | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property

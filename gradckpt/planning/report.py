@@ -74,6 +74,11 @@ def plan_summary(plan: Plan) -> str:
         head.append(
             f"  measured overhead {plan.measured_overhead:+.1%} ({low:+.1%} to {high:+.1%})"
         )
+    if plan.measured_compiled_peak_bytes is not None:
+        head.append(
+            f"  measured compiled peak {format_bytes(plan.measured_compiled_peak_bytes)} "
+            "(one compiled step, at the allocator)"
+        )
     shared = [
         f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
         for path, calls in plan.not_planned

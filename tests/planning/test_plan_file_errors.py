@@ -36,6 +36,8 @@ CASES = {
     "fingerprint a number": (lambda d: d.update(fingerprint=3), "fingerprint"),
     "peak a string": (lambda d: d.update(predicted_peak_bytes="90"), "predicted_peak_bytes"),
     "bad input shape": (lambda d: d.update(input_shapes=[["a", "2x3"]]), "input_shapes[0]"),
+    "compiled peak a float": (lambda d: d.update(measured_compiled_peak_bytes=1.5),
+                              "measured_compiled_peak_bytes"),
     "unknown field": (lambda d: d.update(colour="red"), "'colour'"),
     "no version": (lambda d: d.pop("version"), "version"),
     "no kind": (lambda d: d.pop("kind"), "kind"),
@@ -64,3 +66,16 @@ def test_malformed_plan_file_is_one_plan_format_error_naming_file_and_field(tmp_
 def test_well_formed_file_still_loads(tmp_path):
     path, _ = _saved(tmp_path)
     assert Plan.load(path).input_shapes == (("a", (2, 3)),)
+
+
+def test_measured_compiled_peak_round_trips_and_old_files_read_none(tmp_path):
+    """fit(compile=True) records it; files written before the field existed lack it."""
+    path, data = _saved(tmp_path)
+    assert "measured_compiled_peak_bytes" in data and data["measured_compiled_peak_bytes"] is None
+    data.pop("measured_compiled_peak_bytes")  # a file from before the field
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).measured_compiled_peak_bytes is None
+    measured = Plan((UnitChoice("a"),), "fp", budget_bytes=100, measured_compiled_peak_bytes=95)
+    measured.save(path)
+    assert Plan.load(path) == measured
+    assert "measured compiled peak" in measured.summary()
