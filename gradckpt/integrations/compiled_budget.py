@@ -49,7 +49,7 @@ from gradckpt.planning import Plan
 from gradckpt.planning.budget import BudgetError, parse_budget
 from gradckpt.planning.solvers import solve
 from gradckpt.profiling import profile as make_profile
-from gradckpt.profiling.records import Profile
+from gradckpt.profiling.records import Profile, retimed
 
 __all__ = [
     "CompiledFit",
@@ -104,17 +104,7 @@ def fused_profile(profile: Profile) -> Profile:
     Example:
         >>> plan = solve(fused_profile(prof), budget, "dp", segments=False)
     """
-    ops = tuple(replace(op, time=0.0) if op.flops == 0 else op for op in profile.ops)
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
-    for op in ops:
-        times = bwd if op.backward else fwd
-        times[op.unit] = times.get(op.unit, 0.0) + op.time
-    units = tuple(
-        replace(u, fwd_time=fwd.get(u.index, 0.0), bwd_time=bwd.get(u.index, 0.0))
-        for u in profile.units
-    )
-    return replace(profile, ops=ops, units=units, step_time=sum(op.time for op in ops))
+    return retimed(profile, lambda op: 0.0 if op.flops == 0 else op.time)
 
 
 def _step(model: nn.Module, loss_fn: LossFn) -> None:

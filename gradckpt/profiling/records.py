@@ -22,7 +22,9 @@ with zero workspace and equal peaks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ from typing import Any
 from gradckpt._versioned import check_header
 from gradckpt.measure.engine_costs import EngineCosts
 
-__all__ = ["NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord"]
+__all__ = [
+    "NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord", "retimed"
+]  # fmt: skip
 
 PROFILE_VERSION = 2
 #: Position of "not within the step" (alive at the end, never unpacked, ...).
@@ -205,3 +209,24 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def retimed(profile: Profile, time_of: Callable[[OpRecord], float]) -> Profile:
+    """``profile`` with each op's time replaced by ``time_of(op)``, unit and step times summed again.
+
+    Example:
+        >>> fused = retimed(prof, lambda op: 0.0 if op.flops == 0 else op.time)
+    """
+    ops = tuple(dataclasses.replace(op, time=time_of(op)) for op in profile.ops)
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    for op in ops:
+        times = bwd if op.backward else fwd
+        times[op.unit] = times.get(op.unit, 0.0) + op.time
+    units = tuple(
+        dataclasses.replace(u, fwd_time=fwd.get(u.index, 0.0), bwd_time=bwd.get(u.index, 0.0))
+        for u in profile.units
+    )
+    return dataclasses.replace(
+        profile, ops=ops, units=units, step_time=sum(op.time for op in ops)
+    )

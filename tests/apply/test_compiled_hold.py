@@ -18,7 +18,6 @@ after a failed fit, with the plain eager step, bit-exact.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ import torch
 import gradckpt
 from gradckpt.apply.compiled import compiled_plan, uncompile
 from gradckpt.measure import AllocatorTracker, state_bytes
+from gradckpt.profiling.records import retimed
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
@@ -44,17 +44,7 @@ def _fresh_dynamo():
 
 def _timed_by_flops(profile):
     """``profile`` with each op's time from its FLOPs plus a fixed per-op cost (no clock)."""
-    ops = tuple(replace(op, time=(op.flops + 1e5) * 1e-12) for op in profile.ops)
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
-    for op in ops:
-        times = bwd if op.backward else fwd
-        times[op.unit] = times.get(op.unit, 0.0) + op.time
-    units = tuple(
-        replace(u, fwd_time=fwd.get(u.index, 0.0), bwd_time=bwd.get(u.index, 0.0))
-        for u in profile.units
-    )
-    return replace(profile, ops=ops, units=units, step_time=sum(op.time for op in ops))
+    return retimed(profile, lambda op: (op.flops + 1e5) * 1e-12)
 
 
 def _compiled_peak(ex) -> int:
