@@ -43,8 +43,8 @@ from torch import nn
 from gradckpt.apply.apply import apply, remove
 from gradckpt.apply.compiled import compile as compile_planned
 from gradckpt.apply.compiled import uncompile
+from gradckpt.apply.compiled_hold import compiled_step_peak
 from gradckpt.integrations.compiled_knapsack import SavedBytesSolver, saved_bytes_config
-from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan
 from gradckpt.planning.budget import BudgetError, parse_budget
 from gradckpt.planning.solvers import solve
@@ -153,13 +153,7 @@ def _measure(
 ) -> CompiledPoint:
     torch._dynamo.reset()
     install(model, loss_fn, point, **compile_kwargs)
-    for _ in range(2):  # compile forward and backward, then one warm step
-        _step(model, loss_fn)
-    model.zero_grad(set_to_none=True)
-    with AllocatorTracker() as measured:
-        loss_fn().backward()
-    # The library's peak: parameters and buffers plus what the step's allocator adds.
-    peak = state_bytes(model) + measured.peak_bytes
+    peak = compiled_step_peak(model, loss_fn)  # compiles, warms, then measures one step
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
