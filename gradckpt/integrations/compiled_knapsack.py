@@ -130,7 +130,7 @@ class SavedBytesSolver(CustomKnapsackSolver):
         default_bytes = _saved_bytes(p, joint_graph, node_info, _default_options(p))
         if self.knob is not None:
             cap = float(_knob_saved_bytes(p, joint_graph, node_info, memory, runtimes, banned,
-                                          self.knob))  # fmt: skip
+                                          self.knob, default_bytes))  # fmt: skip
         else:
             cap = self.fraction * default_bytes
         answers: dict[frozenset[int], tuple[float, int, list[int], list[int]]] = {}
@@ -198,9 +198,10 @@ def _aggressive_options(p: Any) -> Any:
 
 def _knob_saved_bytes(
     p: Any, graph: Any, node_info: Any, memory: list[float], runtimes: list[float],
-    banned: list[torch.fx.Node], knob: float,
+    banned: list[torch.fx.Node], knob: float, default: int,
 ) -> int:  # fmt: skip
-    """The bytes the compiler's own ``activation_memory_budget=knob`` saves for this graph.
+    """The bytes the compiler's own ``activation_memory_budget=knob`` saves for this graph
+    (``default``: what its default partition saves, computed once by the caller).
 
     The partitioner's route, step by step (``choose_saved_values_set``): its
     default at 1, only the inputs at 0, else the first of its "more aggressive"
@@ -210,7 +211,6 @@ def _knob_saved_bytes(
     """
     from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 
-    default = _saved_bytes(p, graph, node_info, _default_options(p))
     least = sum(p._size_of(node) for node in node_info.inputs)
     if knob >= 1.0 or default <= least:
         return default
