@@ -385,7 +385,13 @@ def verdict(met: bool) -> str:
 
 
 def load_note(info: dict[str, Any], limit: float = 1.5) -> str:
-    """A warning when the machine was busy (1-minute load above ``limit``), else ''."""
+    """A warning when the machine was busy, else ''.
+
+    Busy: a 1-minute load above ``limit`` before the run, or after it above
+    ``limit`` plus the run's own threads (``info["threads"]``; the load taken
+    at the end counts the benchmark's own busy threads, which are not
+    competition).
+    """
 
     def first(value: Any) -> float:
         try:
@@ -395,7 +401,8 @@ def load_note(info: dict[str, Any], limit: float = 1.5) -> str:
 
     before = first(info.get("load_average_before"))
     after = first(info.get("load_average_after"))
-    if not (before > limit or after > limit):
+    own = float(info.get("threads") or 0)
+    if not (before > limit or after > limit + own):
         return ""
     return (
         f"**Shared machine:** the 1-minute load average was {before:.2f} before and "

@@ -26,3 +26,11 @@ def test_a_busy_start_is_noted_in_the_report():
     quiet = {**busy.info(), "load_average_before": "0.10 / 0.10 / 0.10"}
     quiet["load_average_after"] = "0.20 / 0.10 / 0.10"
     assert load_note(quiet) == ""
+
+
+def test_the_runs_own_threads_in_the_load_after_it_are_not_a_busy_machine():
+    own = {"threads": 2, "load_average_before": "0.00 / 0.07 / 0.43",
+           "load_average_after": "1.51 / 1.16 / 0.83"}  # fmt: skip
+    assert load_note(own) == ""
+    assert "3.80" in load_note({**own, "load_average_after": "3.80 / 2.00 / 1.00"})
+    assert load_note({**own, "threads": None}) != ""  # unknown threads: the load is all others'
