@@ -50,3 +50,20 @@ def test_twins_report_their_ratio_against_the_original():
     }
     ((label, text),) = twin_noise(rows)
     assert label == "twin amb=1" and text.startswith("x1.100")
+
+
+def test_a_held_out_choice_is_judged_on_rounds_it_was_not_chosen_on():
+    # Two candidates that tie over all rounds; one looks fast on the even rounds only.
+    theirs = [1.0] * 8
+    lucky = [0.90, 1.10] * 4  # fast when chosen, slow when judged
+    steady = [0.99] * 8
+    rows = {
+        "compile amb=0.5": _row("compiler", 100, theirs),
+        "gradckpt bytes 0.55": _row("bytes", 90, lucky),
+        "gradckpt bytes 0.5": _row("bytes", 80, steady),
+    }
+    ((_, chosen, ratio, verdict),) = verdicts(rows, ("bytes",))
+    assert chosen.startswith("gradckpt bytes 0.5 ") and ratio.startswith("x0.990")
+    ((_, chosen, ratio, verdict),) = verdicts(rows, ("bytes",), held_out=True)
+    assert chosen.startswith("gradckpt bytes 0.55") and ratio.startswith("x1.100")
+    assert verdict == "loss"

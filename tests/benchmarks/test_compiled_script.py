@@ -7,6 +7,7 @@ verdicts, plot); it never asserts on the measured numbers.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
         assert row["peak"] > 0 and row["median_s"] > 0
     compiler_points = sum(r["kind"] == "compiler" for r in rows.values())
     assert len(data["verdicts"]["gpt2"]) == len(data["verdicts_all"]["gpt2"]) == compiler_points
+    assert len(data["verdicts_held_out"]["gpt2"]) == compiler_points
+    assert data["info"]["own_compile_caches"] is True  # every contender compiled from scratch
     text = md.read_text()
     assert "| contender | peak (MiB) | peak / eager |" in text
     assert "| compiler point | gradckpt point | paired time ratio (95% interval) | verdict |" in text
@@ -40,3 +43,18 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     matched = [r for label, r in rows.items() if "<=amb=" in label]
     assert matched and all(r["partitions"] for r in matched)
     assert "| contender | default saves (MiB) | cap (MiB) | saved (MiB) |" in text
+
+
+def test_each_contender_starts_with_its_own_compile_cache(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks.compiled import _CACHE_VARIABLE, _compile_cache
+
+    monkeypatch.setenv(_CACHE_VARIABLE, "/shared")
+    with _compile_cache(tmp_path / "a"):
+        assert os.environ[_CACHE_VARIABLE] == str(tmp_path / "a")
+    assert os.environ[_CACHE_VARIABLE] == "/shared"
+    with _compile_cache(None):  # --shared-cache
+        assert os.environ[_CACHE_VARIABLE] == "/shared"
+    monkeypatch.delenv(_CACHE_VARIABLE)
+    with _compile_cache(tmp_path / "b"):
+        pass
+    assert _CACHE_VARIABLE not in os.environ
