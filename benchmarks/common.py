@@ -412,18 +412,21 @@ def load_note(info: dict[str, Any], limit: float = 1.5) -> str:
     )
 
 
-def results_path(out: Path, what: str, ext: str, date: str | None = None) -> Path:
-    """``<out>/<what>-cpu-<YYYY-MM-DD>.<ext>`` (today unless ``date`` is given)."""
-    return Path(out) / f"{what}-cpu-{date or datetime.date.today().isoformat()}.{ext}"
+def results_path(
+    out: Path, what: str, ext: str, date: str | None = None, where: str = "cpu"
+) -> Path:
+    """``<out>/<what>-<where>-<YYYY-MM-DD>.<ext>`` (today unless ``date`` is given)."""
+    return Path(out) / f"{what}-{where}-{date or datetime.date.today().isoformat()}.{ext}"
 
 
 def write_results(
-    out: Path, what: str, markdown: str, data: dict[str, Any], date: str | None = None
-) -> tuple[Path, Path]:
+    out: Path, what: str, markdown: str, data: dict[str, Any], date: str | None = None,
+    where: str = "cpu",
+) -> tuple[Path, Path]:  # fmt: skip
     """Write the Markdown report and its JSON next to it; returns both paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    md, js = results_path(out, what, "md", date), results_path(out, what, "json", date)
+    md, js = (results_path(out, what, ext, date, where) for ext in ("md", "json"))
     md.write_text(markdown.rstrip() + "\n")
     js.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return md, js

@@ -45,6 +45,7 @@ Usage:
     python -m benchmarks.compiled --models gpt2 --threads 2
     python -m benchmarks.compiled --small                 # 4 layers, d=128 (shorter)
     python -m benchmarks.compiled --quick                 # smoke test (aot_eager, tiny)
+    python -m benchmarks.compiled --device cuda --models gpt2 --budgets 1 0.5 0.1 --saved 0.55
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -94,6 +96,13 @@ SMALL: dict[str, dict[str, Any]] = {
     "llama": dict(layers=4, hidden=128, heads=4, seq=128, batch=4, vocab=2048),
     "unet": dict(depth=3, base=16, image=64, batch=2),
 }
+# --device cuda: GPT-2 small's width, 8 layers; batch 4, as every worker's caching allocator
+# keeps up to its own peak reserved on the one GPU.
+GPU: dict[str, dict[str, Any]] = {
+    "gpt2": dict(layers=8, hidden=768, heads=12, seq=1024, batch=4, vocab=16384),
+    "llama": dict(layers=8, hidden=768, heads=12, seq=1024, batch=4, vocab=16384),
+    "unet": dict(depth=4, base=64, image=256, batch=4),
+}
 QUICK: dict[str, dict[str, Any]] = {
     "gpt2": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
     "llama": dict(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=128),
@@ -112,31 +121,40 @@ QUICK_SAVED_FRACTIONS = (0.5,)
 
 
 def _sizes(args: Any) -> dict[str, dict[str, Any]]:
-    return QUICK if args.quick else SMALL if args.small else FULL
+    if args.quick:
+        return QUICK
+    if args.small:
+        return SMALL
+    return GPU if args.device == "cuda" else FULL
 
 
-def _example(model: str, sizes: dict[str, Any]) -> Any:
+def _example(model: str, sizes: dict[str, Any], device: str = "cpu") -> Any:
     if model == "unet":
         from gradckpt.testing import make
 
-        return make("unet", **sizes)
+        return make("unet", device=device, **sizes)
     from gradckpt.integrations.hf import disable_cache
     from gradckpt.integrations.hf_zoo import hf_example
 
     ex = hf_example(model, **sizes)
     disable_cache(ex.model)  # training: no KV cache, for every contender (as gradckpt.fit does)
+    if device != "cpu":  # loss_fn reads ex.inputs, so moving its tensors moves the batch
+        ex.model.to(device)
+        for key, value in ex.inputs.items():
+            ex.inputs[key] = value.to(device)
     return ex
 
 
 def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> None:
     """One contender: build, install, compile, warm, measure the peak; then step on request."""
     torch.set_num_threads(threads)
+    device = spec.get("device", "cpu")
     import gradckpt
     from gradckpt.measure import AllocatorTracker
 
     solver = None
     try:
-        ex = _example(model, sizes)
+        ex = _example(model, sizes, device)
         if spec["kind"] in ("compiler", "twin", "knob"):
             import torch._functorch.config as functorch_config
 
@@ -164,6 +182,8 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
             torch.manual_seed(0)
             loss = ex.loss_fn()
             loss.backward()
+            if device == "cuda":  # the step's kernels are queued: wait for them before the clock
+                torch.cuda.synchronize()
             return float(loss.detach())
 
         started = time.perf_counter()
@@ -172,7 +192,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         step()
         ex.model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
-        with AllocatorTracker() as measured:
+        with AllocatorTracker(device) as measured:
             ex.loss_fn().backward()
         chosen = [c._asdict() for c in solver.chosen] if solver is not None else None
         conn.send(dict(peak=measured.peak_bytes, method=measured.method, first_s=first, loss=loss,
@@ -187,7 +207,9 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         conn.close()
 
 
-def _plans(model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path) -> dict[str, str]:
+def _plans(
+    model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path, device: str
+) -> dict[str, str]:
     """gradckpt plans (segments allowed) at each fraction of the eager peak, saved for the workers.
 
     ``fused`` fractions plan on the fused view of the profile; a plan equal to
@@ -198,7 +220,7 @@ def _plans(model: str, sizes: dict, fractions: tuple, fused: tuple, folder: Path
     from gradckpt.planning.budget import parse_budget
     from gradckpt.planning.solvers import solve
 
-    ex = _example(model, sizes)
+    ex = _example(model, sizes, device)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     paths: dict[str, str] = {}
     seen: list = []
@@ -247,11 +269,11 @@ def _compile_cache(folder: Path | None) -> Iterator[None]:
 
 def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
     sizes = _sizes(args)[model]
-    budgets = QUICK_COMPILER_BUDGETS if args.quick else COMPILER_BUDGETS
+    budgets = QUICK_COMPILER_BUDGETS if args.quick else tuple(args.budgets or COMPILER_BUDGETS)
     fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
     fused = QUICK_FUSED_FRACTIONS if args.quick else FUSED_FRACTIONS
     knobs = QUICK_KNOB_BUDGETS if args.quick else KNOB_BUDGETS
-    saved = QUICK_SAVED_FRACTIONS if args.quick else SAVED_FRACTIONS
+    saved = QUICK_SAVED_FRACTIONS if args.quick else tuple(args.saved or SAVED_FRACTIONS)
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
     for b in budgets:
         specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
@@ -259,7 +281,7 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
         specs[f"twin amb={b:g}"] = dict(
             kind="twin", budget=b, backend=args.backend, twin_of=f"compile amb={b:g}"
         )
-    for label, path in _plans(model, sizes, fractions, fused, folder).items():
+    for label, path in _plans(model, sizes, fractions, fused, folder, args.device).items():
         specs[label] = dict(kind="gradckpt", plan=path, backend=args.backend)
     for b in knobs:
         specs[f"gradckpt knob amb={b:g}"] = dict(kind="knob", budget=b, backend=args.backend)
@@ -268,7 +290,10 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     for b in budgets:  # capped at what the compiler's own knob saves: dominates it in bytes, FLOPs
         specs[f"gradckpt bytes <=amb={b:g}"] = dict(kind="bytes", knob=b, backend=args.backend)
     kinds = set(args.kinds) | {"eager"}
-    specs = {label: spec for label, spec in specs.items() if spec["kind"] in kinds}
+    specs = {
+        label: dict(spec, device=args.device)
+        for label, spec in specs.items() if spec["kind"] in kinds
+    }  # fmt: skip
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
@@ -317,6 +342,13 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     return results
 
 
+def _where() -> str:
+    """The results file's hardware part: ``cpu``, or the GPU's name as a slug."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
 def _render(data: dict[str, Any], out: Path, what: str) -> None:
     """Verdicts from the measured rows, then the Markdown, JSON and plot."""
     data["verdicts"] = {m: verdicts(rows) for m, rows in data["results"].items()}
@@ -325,14 +357,16 @@ def _render(data: dict[str, Any], out: Path, what: str) -> None:
         m: verdicts(rows, OURS_ALL, held_out=True) for m, rows in data["results"].items()
     }
     md = report(data)
-    md_path, json_path = write_results(out, what, md, data, date=data["info"]["date"])
+    where = data["info"].get("where", "cpu")
+    md_path, json_path = write_results(out, what, md, data, date=data["info"]["date"], where=where)
     png = md_path.with_suffix(".png")
     plot(data, png)
     print(md)
     print(f"\nwrote {md_path}, {json_path} and {png}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> Any:
+    """The command line (``benchmarks/gpu_check.py`` builds one for its GPU run)."""
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=None)
     p.add_argument("--backend", default=None, help="default inductor; aot_eager with --quick")
@@ -341,13 +375,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="which contenders to run (eager always runs)")  # fmt: skip
     p.add_argument("--shared-cache", action="store_true",
                    help="let contenders share inductor's caches (faster start, biased times)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the steps run (cuda: GPU sizes unless --small/--quick)")
+    p.add_argument("--budgets", nargs="+", type=float, default=None,
+                   help=f"the compiler's knob values (default {COMPILER_BUDGETS})")
+    p.add_argument("--saved", nargs="+", type=float, default=None,
+                   help=f"saved-bytes caps for the bytes rows (default {SAVED_FRACTIONS})")
     p.add_argument("--name", default=None,
                    help="results file stem (default compiled[-MODELS]); the date is appended")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     if args.from_json is not None:  # re-render an earlier run (e.g. with today's verdict rule)
         data = json.loads(args.from_json.read_text())
         data["info"].setdefault("shuffled", False)
-        _render(data, args.out, args.from_json.stem.rsplit("-cpu-", 1)[0])
+        where = data["info"].get("where", "cpu")
+        _render(data, args.out, args.from_json.stem.rsplit(f"-{where}-", 1)[0])
         return 0
     if not args.quick:  # paired verdicts want more rounds than the shared defaults
         args.warmup = 2 if args.warmup is None else args.warmup
@@ -366,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend, models=models, quick=args.quick, threads=args.threads,
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,
         warmup=args.warmup, repeats=args.repeats, shuffled=True, gap_s=GAP_S,
-        own_compile_caches=not args.shared_cache,
+        own_compile_caches=not args.shared_cache, device=args.device,
+        where=_where() if args.device == "cuda" else "cpu",
+        gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
         wall_time_s=round(time.perf_counter() - started, 1),

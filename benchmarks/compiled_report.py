@@ -187,7 +187,7 @@ def report(data: dict[str, Any]) -> str:
     )  # fmt: skip
     parts = [
         f"# Compiled: torch.compile's activation_memory_budget vs gradckpt's plan inside "
-        f"the compiled graph, CPU ({info['date']})",
+        f"the compiled graph, {info.get('gpu') or 'CPU'} ({info['date']})",
         "Each point runs in its own process; peak = allocator bytes one training step adds "
         f"(forward, backward, gradients).{caches} Times: one step per contender {order}, "
         f"{info['repeats']} timed rounds after {info['warmup']} warm-up rounds; medians. "

@@ -24,7 +24,12 @@ torch's allocator (NCCL buffers, the CUDA context). Then it runs the frontier be
 ``run_model``) and the Hugging Face benchmark (``benchmarks/hf_models.py``) at GPU
 sizes while time is left (``--time-limit``, default 7 minutes), and the offload
 contenders (``benchmarks/offload_gpu.py``: gradckpt with offload, full
-checkpointing, offload-everything + full checkpointing) side by side.
+checkpointing, offload-everything + full checkpointing) side by side, and
+last the compiled benchmark (``benchmarks/compiled.py --device cuda``: the
+compiler's ``activation_memory_budget`` at 1/0.5/0.1 against gradckpt's
+saved-bytes rows on GPT-2, each compiled from scratch in its own process) when
+more than 5 minutes are left (``--time-limit 720`` leaves it room; or run
+``python -m benchmarks.compiled`` with the arguments of ``compiled_arguments``).
 
 Writes ``benchmarks/results/gpu-check-<gpu>-<date>.md`` (and ``.json``).
 
@@ -268,6 +273,34 @@ def run_hf_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str
     return "hf_models.py: done, results in " + str(outdir)
 
 
+def compiled_arguments(dry: bool, outdir: Path) -> list[str]:
+    """``benchmarks/compiled.py``'s arguments for this check (a few contenders, GPT-2 only)."""
+    args = ["--out", str(outdir), "--models", "gpt2"]
+    if dry:
+        return [*args, "--quick", "--kinds", "compiler", "bytes"]
+    return [*args, "--device", "cuda", "--kinds", "compiler", "twin", "bytes",
+                   "--budgets", "1", "0.5", "0.1", "--saved", "0.55",
+                   "--warmup", "3", "--repeats", "15"]  # fmt: skip
+
+
+def run_compiled_benchmark(
+    dry: bool, outdir: Path, timeout: float, log: Callable[[str], None]
+) -> str:
+    """torch.compile's knob against gradckpt's saved-bytes rows at GPU sizes (issue 13)."""
+    # A few contenders only: each compiles from scratch (about a minute), and the GPU run
+    # must leave time for the other stages; GPT-2 is the model the issue's table is about.
+    cmd = [sys.executable, "-m", "benchmarks.compiled", *compiled_arguments(dry, outdir)]
+    log(f"  running {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1),
+                              cwd=HERE.parent)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"compiled.py did not finish in {timeout:.0f} s: stopped"
+    if proc.returncode != 0:
+        return f"compiled.py failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return "compiled.py: done, results in " + str(outdir)
+
+
 def _log(line: str) -> None:
     print(line, flush=True)
 
@@ -310,11 +343,16 @@ def _hf_stage(ctx: BenchmarkRun) -> str:
     return run_hf_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
 
 
+def _compiled_stage(ctx: BenchmarkRun) -> str:
+    return run_compiled_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
+
+
 # In the order they run (and their notes appear).
 BENCHMARKS = (
     Benchmark("frontier benchmark", 60, "frontier", _frontier_stage),
     Benchmark("offload contenders", 60, "offload", _offload_stage),
     Benchmark("hf_models benchmark", 30, "note", _hf_stage),
+    Benchmark("compiled benchmark", 300, "note", _compiled_stage),
 )
 
 

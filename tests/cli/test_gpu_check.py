@@ -55,7 +55,9 @@ def test_benchmark_table_names_functions_that_exist():
     from benchmarks import frontier, gpu_check, offload_gpu
 
     titles = [b.title for b in gpu_check.BENCHMARKS]
-    assert titles == ["frontier benchmark", "offload contenders", "hf_models benchmark"]
+    assert titles == [
+        "frontier benchmark", "offload contenders", "hf_models benchmark", "compiled benchmark"
+    ]
     assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
     for bench in gpu_check.BENCHMARKS:
         assert callable(bench.run) and bench.min_seconds_left > 0
@@ -89,3 +91,16 @@ def test_benchmarks_out_of_time_are_skipped_and_a_failure_stops_no_other(monkeyp
         "fourth: skipped, out of time",
     ]
     assert seen == [gpu_check.BenchmarkRun(True, "cpu", tmp_path, 50.0)]
+
+
+def test_the_compiled_stage_asks_compiled_py_for_a_few_cuda_contenders(tmp_path):
+    # Parsed by compiled.py's own parser, so a renamed flag fails here, not on the GPU.
+    from benchmarks import compiled, gpu_check
+
+    args = compiled.parser().parse_args(gpu_check.compiled_arguments(False, tmp_path))
+    assert args.device == "cuda" and args.models == ["gpt2"] and not args.quick
+    assert args.budgets == [1.0, 0.5, 0.1] and args.saved == [0.55]
+    assert set(args.kinds) == {"compiler", "twin", "bytes"}
+    assert compiled._sizes(args) is compiled.GPU
+    dry = compiled.parser().parse_args(gpu_check.compiled_arguments(True, tmp_path))
+    assert dry.quick and dry.device == "cpu"
