@@ -245,13 +245,15 @@ def _plans(
 def _compile_cache(folder: Path | None) -> Iterator[None]:
     """Processes started inside compile into ``folder``'s empty caches (None: the shared ones).
 
-    Why: a process that compiled its code steps slower than one that loaded the
-    same code from a warm cache (measured here, GPT-2 at amb 0.5, inductor:
-    x1.018, x1.048 and x1.032 in three probes, against x0.997, x1.019 and x0.990
-    between two cache-loaded processes). With shared caches, contenders started
-    later load what earlier ones compiled (the knob-matched rows reuse the
-    compiler's own kernels), which flatters them. Each with its own empty cache,
-    every contender compiles from scratch, as on a fresh machine.
+    Why: a process's history stays with it. One that compiled its code tends
+    to step slower than one that loaded the same code from a warm cache
+    (GPT-2 at amb 0.5, inductor, ``benchmarks/compiled_cache_probe.py``: x0.997,
+    x1.015 and x1.018 in ``compiled-cache-probe-cpu-2026-12-01.md``, x1.018,
+    x1.048 and x1.032 in three earlier probes; two cache-loaded processes read
+    x0.986-x1.019). With shared caches, contenders started later load what
+    earlier ones compiled (the knob-matched rows reuse the compiler's own
+    kernels), which may flatter them by about that much. Each with its own
+    empty cache, every contender compiles from scratch, as on a fresh machine.
     """
     if folder is None:
         yield

@@ -110,3 +110,13 @@ def test_compile_quick_writes_report(tmp_path: Path) -> None:
     assert info["backend"] == "aot_eager" and info["quick"] is True
     assert {"load_average_before", "load_average_after", "wall_time_s"} <= set(info)
     assert "wrote" in proc.stdout
+
+
+def test_compiled_cache_probe_quick_writes_report(tmp_path: Path) -> None:
+    _run("benchmarks.compiled_cache_probe", tmp_path)
+    text, data = _written(tmp_path, "compiled-cache-probe")
+    assert "| trial | scratch / cached1 | cached2 / cached1 |" in text
+    (trial,) = data["trials"]
+    assert set(trial["times"]) == {"scratch", "cached1", "cached2"}
+    assert all(len(t) == 2 for t in trial["times"].values())  # --quick: 2 timed rounds
+    assert trial["scratch_over_cached"] > 0 and trial["cached_over_cached"] > 0
