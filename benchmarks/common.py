@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -410,6 +411,16 @@ def load_note(info: dict[str, Any], limit: float = 1.5) -> str:
         "the CPUs during the measurement, so step times and their ratios carry that noise; "
         "peaks (and predictions) do not depend on load."
     )
+
+
+def hardware_slug(gpu: str | None) -> str:
+    """A results file's hardware part: ``cpu``, or the GPU's name as a slug.
+
+    Example:
+        >>> hardware_slug("NVIDIA H200")
+        'nvidia-h200'
+    """
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") if gpu else "cpu"
 
 
 def results_path(

@@ -55,7 +55,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -71,6 +70,7 @@ import torch
 
 from benchmarks.common import (
     base_parser,
+    hardware_slug,
     load_average,
     load_note,
     machine_info,
@@ -269,6 +269,46 @@ def _compile_cache(folder: Path | None) -> Iterator[None]:
             os.environ[_CACHE_VARIABLE] = before
 
 
+def start_worker(
+    ctx: Any, model: str, sizes: dict, spec: dict, threads: int, cache: Path | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Start one contender's worker (compiling into ``cache``; None: the shared caches) and
+    wait for its first report: ``(connection, process, report)``; a failed one is joined."""
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(child, model, sizes, spec, threads))
+    with _compile_cache(cache):
+        proc.start()
+    child.close()  # a worker that dies then reads as EOF here, not as a hang
+    try:
+        first = parent.recv()
+    except EOFError:
+        first = dict(error=f"worker exited with code {proc.join() or proc.exitcode}")
+    if "error" in first:
+        proc.join()
+    return parent, proc, first
+
+
+def timed_rounds(conns: dict[str, Any], warmup: int, repeats: int, seed: int) -> dict[str, list]:
+    """Step every worker once per round, in a new shuffled order each round; the step times of
+    the ``repeats`` rounds after ``warmup``, per worker (the i-th entries share a round).
+
+    Why shuffled: a worker is not always stepped right after the same neighbour (whose
+    threads may still be busy), so no order bias persists.
+    """
+    times: dict[str, list[float]] = {label: [] for label in conns}
+    shuffle = random.Random(seed)
+    for round_ in range(warmup + repeats):
+        order = list(conns)
+        shuffle.shuffle(order)
+        for label in order:
+            time.sleep(GAP_S)
+            conns[label].send("step")
+            seconds = conns[label].recv()
+            if round_ >= warmup:
+                times[label].append(seconds)
+    return times
+
+
 def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
     sizes = _sizes(args)[model]
     budgets = QUICK_COMPILER_BUDGETS if args.quick else tuple(args.budgets or COMPILER_BUDGETS)
@@ -300,41 +340,23 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     workers: dict[str, tuple[Any, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
     for index, (label, spec) in enumerate(specs.items()):  # one at a time: compiles do not compete
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, model, sizes, spec, args.threads))
-        with _compile_cache(None if args.shared_cache else folder / f"cache-{model}-{index}"):
-            proc.start()
-        child.close()  # a worker that dies then reads as EOF here, not as a hang
-        try:
-            first = parent.recv()
-        except EOFError:
-            first = dict(error=f"worker exited with code {proc.join() or proc.exitcode}")
+        cache = None if args.shared_cache else folder / f"cache-{model}-{index}"
+        conn, proc, first = start_worker(ctx, model, sizes, spec, args.threads, cache)
         if "error" in first:
             print(f"  {model} {label}: FAILED {first['error']}")
             results[label] = dict(kind=spec["kind"], error=first["error"])
-            proc.join()
             continue
         results[label] = dict(
             kind=spec["kind"], budget=spec.get("budget"), times=[], **first,
             **({"twin_of": spec["twin_of"]} if "twin_of" in spec else {}),
         )  # fmt: skip
-        workers[label] = (parent, proc)
+        workers[label] = (conn, proc)
         print(
             f"  {model} {label}: peak {mib(first['peak'])} MiB, first step {first['first_s']:.1f} s"
         )
-    # Interleaved rounds, each in a new shuffled order: a worker is not always stepped right
-    # after the same neighbour (whose threads may still be busy), so no order bias persists.
-    shuffle = random.Random(args.seed)
-    for round_ in range(args.warmup + args.repeats):
-        order = list(workers)
-        shuffle.shuffle(order)
-        for label in order:
-            time.sleep(GAP_S)
-            conn = workers[label][0]
-            conn.send("step")
-            seconds = conn.recv()
-            if round_ >= args.warmup:
-                results[label]["times"].append(seconds)
+    conns = {label: conn for label, (conn, _) in workers.items()}
+    for label, times in timed_rounds(conns, args.warmup, args.repeats, args.seed).items():
+        results[label]["times"] = times
     for conn, proc in workers.values():
         conn.send("stop")
         proc.join()
@@ -342,13 +364,6 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
         if "times" in row:
             row["median_s"] = statistics.median(row["times"])
     return results
-
-
-def _where() -> str:
-    """The results file's hardware part: ``cpu``, or the GPU's name as a slug."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
 def _render(data: dict[str, Any], out: Path, what: str) -> None:
@@ -359,7 +374,7 @@ def _render(data: dict[str, Any], out: Path, what: str) -> None:
         m: verdicts(rows, OURS_ALL, held_out=True) for m, rows in data["results"].items()
     }
     md = report(data)
-    where = data["info"].get("where", "cpu")
+    where = hardware_slug(data["info"].get("gpu"))
     md_path, json_path = write_results(out, what, md, data, date=data["info"]["date"], where=where)
     png = md_path.with_suffix(".png")
     plot(data, png)
@@ -396,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json is not None:  # re-render an earlier run (e.g. with today's verdict rule)
         data = json.loads(args.from_json.read_text())
         data["info"].setdefault("shuffled", False)
-        where = data["info"].get("where", "cpu")
+        where = hardware_slug(data["info"].get("gpu"))
         _render(data, args.out, args.from_json.stem.rsplit(f"-{where}-", 1)[0])
         return 0
     if not args.quick:  # paired verdicts want more rounds than the shared defaults
@@ -417,7 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,
         warmup=args.warmup, repeats=args.repeats, shuffled=True, gap_s=GAP_S,
         own_compile_caches=not args.shared_cache, device=args.device,
-        where=_where() if args.device == "cuda" else "cpu",
         gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),

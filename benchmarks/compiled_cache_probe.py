@@ -18,11 +18,9 @@ Usage:
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ from benchmarks.common import (
     markdown_table,
     write_results,
 )
-from benchmarks.compiled import FULL, GAP_S, QUICK, _compile_cache, _worker
+from benchmarks.compiled import FULL, QUICK, start_worker, timed_rounds
 
 WORKERS = ("scratch", "cached1", "cached2")
 
@@ -48,28 +46,13 @@ def trial(model: str, sizes: dict, backend: str, threads: int, rounds: int, warm
     spec = dict(kind="compiler", budget=0.5, backend=backend)
     conns, procs, first = {}, [], {}
     for label in WORKERS:  # in turn: the first compiles, the others find its code
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, model, sizes, spec, threads))
-        with _compile_cache(cache):
-            proc.start()
-        child.close()
-        reply = parent.recv()
+        conn, proc, reply = start_worker(ctx, model, sizes, spec, threads, cache)
         if "error" in reply:
             raise RuntimeError(f"{label}: {reply['error']}")
         first[label] = reply["first_s"]
-        conns[label] = parent
+        conns[label] = conn
         procs.append(proc)
-    times: dict[str, list[float]] = {label: [] for label in WORKERS}
-    shuffle = random.Random(seed)
-    for round_ in range(warmup + rounds):
-        order = list(WORKERS)
-        shuffle.shuffle(order)
-        for label in order:
-            time.sleep(GAP_S)
-            conns[label].send("step")
-            seconds = conns[label].recv()
-            if round_ >= warmup:
-                times[label].append(seconds)
+    times = timed_rounds(conns, warmup, rounds, seed)
     for conn in conns.values():
         conn.send("stop")
     for proc in procs:

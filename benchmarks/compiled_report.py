@@ -72,6 +72,8 @@ def verdicts(
     the odd-numbered ones only, as ``fit_compiled`` chooses on its own timings
     and then lives with its choice.
     """
+    every = slice(None)
+    chosen_on, judged_on = (slice(0, None, 2), slice(1, None, 2)) if held_out else (every, every)
     timed = {k: r for k, r in rows.items() if r.get("times")}
     ours = [(k, r) for k, r in timed.items() if r.get("kind") in kinds]
     out = []
@@ -82,10 +84,8 @@ def verdicts(
         if not fitting:
             out.append((label, "none with a peak this low", "", "loss"))
             continue
-        choose = (lambda ratios: ratios[0::2]) if held_out else (lambda ratios: ratios)
-        judge = (lambda ratios: ratios[1::2]) if held_out else (lambda ratios: ratios)
-        best_label, ratios, best = min(fitting, key=lambda f: statistics.median(choose(f[1])))
-        stats = median_interval(judge(ratios))
+        best_label, ratios, best = min(fitting, key=lambda f: statistics.median(f[1][chosen_on]))
+        stats = median_interval(ratios[judged_on])
         out.append((
             label, f"{best_label} (peak {mib(best['peak'])})", _ratio_text(*stats), _call(*stats)
         ))  # fmt: skip

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import subprocess
 import sys
 import time
@@ -63,6 +62,7 @@ import torch
 from torch import nn
 
 import gradckpt
+from benchmarks.common import hardware_slug
 from gradckpt.measure import AllocatorTracker, MemoryTracker, state_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     device = "cpu" if dry else "cuda"
     gpu = "cpu-dry-run" if dry else torch.cuda.get_device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    slug = hardware_slug(gpu)
     date = datetime.date.today().isoformat()
     notes: list[str] = []
 
