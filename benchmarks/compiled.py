@@ -31,7 +31,9 @@ driven in bytes and the saved-bytes solver: what ``fit_compiled`` chooses from).
 ``--kinds`` runs a subset.
 
 Every contender lives in its own worker process (the compiler's config is
-process-wide and Dynamo's caches are shared by same-class models), compiled
+process-wide and Dynamo's caches are shared by same-class models), or in
+``--processes K`` of them (its time in a round is then the median of its K
+workers' steps, which shrinks the noise that stays with a process), compiled
 from scratch into its own empty inductor cache (``--shared-cache`` to share
 them: see ``_compile_cache`` for why not) and warmed there; its peak is the allocator bytes one training step adds
 (``gradckpt.measure.AllocatorTracker``: what the step's allocator adds above
@@ -46,6 +48,7 @@ Usage:
     python -m benchmarks.compiled --small                 # 4 layers, d=128 (shorter)
     python -m benchmarks.compiled --quick                 # smoke test (aot_eager, tiny)
     python -m benchmarks.compiled --device cuda --models gpt2 --budgets 1 0.5 0.1 --saved 0.55
+    python -m benchmarks.compiled --models llama --processes 3 --budgets 1 0.7 --knobs 1
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from benchmarks.common import (
     settle,
     write_results,
 )
-from benchmarks.compiled_report import OURS_ALL, plot, report, verdicts
+from benchmarks.compiled_report import OURS_ALL, plot, pooled, report, verdicts
 
 MODELS = ("gpt2", "llama", "unet")
 KINDS = ("compiler", "twin", "gradckpt", "knob", "bytes")
@@ -311,11 +314,12 @@ def timed_rounds(conns: dict[str, Any], warmup: int, repeats: int, seed: int) ->
 
 def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
     sizes = _sizes(args)[model]
-    budgets = QUICK_COMPILER_BUDGETS if args.quick else tuple(args.budgets or COMPILER_BUDGETS)
-    fractions = QUICK_PLAN_FRACTIONS if args.quick else PLAN_FRACTIONS
-    fused = QUICK_FUSED_FRACTIONS if args.quick else FUSED_FRACTIONS
-    knobs = QUICK_KNOB_BUDGETS if args.quick else KNOB_BUDGETS
-    saved = QUICK_SAVED_FRACTIONS if args.quick else tuple(args.saved or SAVED_FRACTIONS)
+    quick = args.quick
+    budgets = tuple(args.budgets or (QUICK_COMPILER_BUDGETS if quick else COMPILER_BUDGETS))
+    fractions = QUICK_PLAN_FRACTIONS if quick else PLAN_FRACTIONS
+    fused = QUICK_FUSED_FRACTIONS if quick else FUSED_FRACTIONS
+    knobs = tuple(args.knobs or (QUICK_KNOB_BUDGETS if quick else KNOB_BUDGETS))
+    saved = tuple(args.saved or (QUICK_SAVED_FRACTIONS if quick else SAVED_FRACTIONS))
     specs: dict[str, dict] = {"eager": dict(kind="eager", backend=args.backend)}
     for b in budgets:
         specs[f"compile amb={b:g}"] = dict(kind="compiler", budget=b, backend=args.backend)
@@ -337,26 +341,49 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
         for label, spec in specs.items() if spec["kind"] in kinds
     }  # fmt: skip
     ctx = mp.get_context("spawn")
-    workers: dict[str, tuple[Any, Any]] = {}
+    workers: dict[str, tuple[Any, Any]] = {}  # worker key -> (connection, process)
+    replicas: dict[str, list[str]] = {}  # label -> its workers' keys
     results: dict[str, dict[str, Any]] = {}
-    for index, (label, spec) in enumerate(specs.items()):  # one at a time: compiles do not compete
-        cache = None if args.shared_cache else folder / f"cache-{model}-{index}"
-        conn, proc, first = start_worker(ctx, model, sizes, spec, args.threads, cache)
-        if "error" in first:
+    index = 0
+    for label, spec in specs.items():  # one at a time: compiles do not compete
+        reports = []
+        for replica in range(args.processes):
+            cache = None if args.shared_cache else folder / f"cache-{model}-{index}"
+            index += 1
+            conn, proc, first = start_worker(ctx, model, sizes, spec, args.threads, cache)
+            if "error" in first:
+                break
+            key = label if args.processes == 1 else f"{label} #{replica}"
+            workers[key] = (conn, proc)
+            replicas.setdefault(label, []).append(key)
+            reports.append(first)
+        if "error" in first:  # a contender whose every process did not start is left out
             print(f"  {model} {label}: FAILED {first['error']}")
             results[label] = dict(kind=spec["kind"], error=first["error"])
+            for key in replicas.pop(label, []):
+                conn, proc = workers.pop(key)
+                conn.send("stop")
+                proc.join()
             continue
+        peaks = [r["peak"] for r in reports]
         results[label] = dict(
-            kind=spec["kind"], budget=spec.get("budget"), times=[], **first,
+            kind=spec["kind"], budget=spec.get("budget"), times=[], **reports[0],
             **({"twin_of": spec["twin_of"]} if "twin_of" in spec else {}),
         )  # fmt: skip
-        workers[label] = (conn, proc)
-        print(
-            f"  {model} {label}: peak {mib(first['peak'])} MiB, first step {first['first_s']:.1f} s"
-        )
-    conns = {label: conn for label, (conn, _) in workers.items()}
-    for label, times in timed_rounds(conns, args.warmup, args.repeats, args.seed).items():
-        results[label]["times"] = times
+        results[label]["peak"] = max(peaks)  # the same compiled code: equal unless layout differs
+        if args.processes > 1:
+            results[label]["replica_peaks"] = peaks
+            results[label]["replica_first_s"] = [r["first_s"] for r in reports]
+        print(f"  {model} {label}: peak {' / '.join(mib(p) for p in peaks)} MiB, "
+              f"first step {reports[0]['first_s']:.1f} s")  # fmt: skip
+    conns = {key: conn for key, (conn, _) in workers.items()}
+    times = timed_rounds(conns, args.warmup, args.repeats, args.seed)
+    for label, keys in replicas.items():
+        if args.processes > 1:
+            results[label]["replica_times"] = [times[key] for key in keys]
+            results[label]["times"] = pooled(results[label]["replica_times"])
+        else:
+            results[label]["times"] = times[keys[0]]
     for conn, proc in workers.values():
         conn.send("stop")
         proc.join()
@@ -398,6 +425,10 @@ def parser() -> Any:
                    help=f"the compiler's knob values (default {COMPILER_BUDGETS})")
     p.add_argument("--saved", nargs="+", type=float, default=None,
                    help=f"saved-bytes caps for the bytes rows (default {SAVED_FRACTIONS})")
+    p.add_argument("--knobs", nargs="+", type=float, default=None,
+                   help=f"knob values gradckpt drives in bytes (default {KNOB_BUDGETS})")
+    p.add_argument("--processes", type=int, default=1,
+                   help="worker processes per contender; a round's time is their median")
     p.add_argument("--name", default=None,
                    help="results file stem (default compiled[-MODELS]); the date is appended")
     return p
@@ -406,6 +437,8 @@ def parser() -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.processes < 1:
+        p.error(f"--processes {args.processes}: at least one worker per contender")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if args.from_json is not None:  # re-render an earlier run (e.g. with today's verdict rule)
@@ -432,13 +465,14 @@ def main(argv: list[str] | None = None) -> int:
         sizes={m: _sizes(args)[m] for m in models}, small=args.small,
         warmup=args.warmup, repeats=args.repeats, shuffled=True, gap_s=GAP_S,
         own_compile_caches=not args.shared_cache, device=args.device,
+        processes=args.processes,
         gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
         load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
         load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
         wall_time_s=round(time.perf_counter() - started, 1),
     )  # fmt: skip
     info["load_note"] = load_note(info)
-    data = {"version": 3, "info": info, "results": results}
+    data = {"version": 4, "info": info, "results": results}
     name = args.name or ("compiled" if args.models is None else "compiled-" + "-".join(models))
     _render(data, args.out, name)
     return 0

@@ -11,7 +11,10 @@ cancels what drifts between rounds (load, frequency); it cannot cancel what
 stays with a process (its compiled code's memory layout, its threads'
 placement). ``twin`` rows measure that part: a second process running the
 compiler's own configuration, whose paired ratio against the first would be
-exactly 1 without such noise.
+exactly 1 without such noise. A contender run in several processes
+(``replica_times``, one list per process) has as its round time the median
+of its processes' (:func:`pooled`), which shrinks that noise, and its
+interval resamples the processes as well as the rounds.
 """
 
 from __future__ import annotations
@@ -34,6 +37,46 @@ BOOTSTRAP = 2000
 def paired_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> list[float]:
     """Per timed round, our step time over theirs (rounds where both were timed)."""
     return [a / b for a, b in zip(ours["times"], theirs["times"]) if b > 0]
+
+
+def pooled(replica_times: list[list[float]]) -> list[float]:
+    """Per round, the median of the processes' step times (processes of one contender)."""
+    return [statistics.median(column) for column in zip(*replica_times)]
+
+
+def _replicas(row: dict[str, Any]) -> list[list[float]]:
+    return row.get("replica_times") or [row["times"]]
+
+
+def paired_stats(
+    ours: dict[str, Any], theirs: dict[str, Any], rounds: slice = slice(None), seed: int = 0
+) -> tuple[float, float, float]:
+    """Median paired ratio over ``rounds`` and a bootstrap 95% interval.
+
+    With one process per side the bootstrap resamples rounds; with several it
+    also resamples each side's processes (then pools them per round), so the
+    interval holds the noise that stays with a process, not only the round's.
+    """
+    ratios = paired_ratios(ours, theirs)[rounds]
+    mine, other = _replicas(ours), _replicas(theirs)
+    if len(mine) == 1 and len(other) == 1:
+        return median_interval(ratios, seed)
+    mine = [t[rounds] for t in mine]
+    other = [t[rounds] for t in other]
+    n = min(len(t) for t in mine + other)
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(BOOTSTRAP):
+        a = pooled(rng.choices(mine, k=len(mine)))
+        b = pooled(rng.choices(other, k=len(other)))
+        picks = rng.choices(range(n), k=n)
+        medians.append(statistics.median(a[i] / b[i] for i in picks))
+    medians.sort()
+    return (
+        statistics.median(ratios),
+        medians[int(0.025 * BOOTSTRAP)],
+        medians[int(0.975 * BOOTSTRAP) - 1],
+    )
 
 
 def median_interval(values: list[float], seed: int = 0) -> tuple[float, float, float]:
@@ -84,8 +127,8 @@ def verdicts(
         if not fitting:
             out.append((label, "none with a peak this low", "", "loss"))
             continue
-        best_label, ratios, best = min(fitting, key=lambda f: statistics.median(f[1][chosen_on]))
-        stats = median_interval(ratios[judged_on])
+        best_label, _, best = min(fitting, key=lambda f: statistics.median(f[1][chosen_on]))
+        stats = paired_stats(best, row, judged_on)
         out.append((
             label, f"{best_label} (peak {mib(best['peak'])})", _ratio_text(*stats), _call(*stats)
         ))  # fmt: skip
@@ -98,13 +141,28 @@ def twin_noise(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     for label, row in rows.items():
         original = rows.get(row.get("twin_of", ""), {})
         if row.get("kind") == "twin" and row.get("times") and original.get("times"):
-            out.append((label, _ratio_text(*median_interval(paired_ratios(row, original)))))
+            out.append((label, _ratio_text(*paired_stats(row, original))))
     return out
 
 
 def count(table: list[tuple[str, ...]]) -> str:
     wins = sum(row[-1].startswith("win") for row in table)
-    return f"{wins} of {len(table)} compiler points met (no slower at a peak no higher)"
+    close = sum(row[-1] == "loss (within noise)" for row in table)
+    more = f"; {close} more slower by less than the noise" if close else ""
+    return f"{wins} of {len(table)} compiler points met (no slower at a peak no higher){more}"
+
+
+def process_spread(rows: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Per contender run in several processes: each process's median step, slowest over fastest."""
+    out = []
+    for label, row in rows.items():
+        if len(row.get("replica_times") or ()) > 1:
+            medians = [statistics.median(t) for t in row["replica_times"]]
+            out.append((
+                f"`{label}`", " / ".join(f"{m:.3f}" for m in medians),
+                f"x{max(medians) / min(medians):.3f}",
+            ))  # fmt: skip
+    return out
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -185,6 +243,12 @@ def report(data: dict[str, Any]) -> str:
         "(compile included) compares compile costs too."
         if info.get("own_compile_caches") else ""
     )  # fmt: skip
+    processes = info.get("processes", 1)
+    pooling = (
+        f" Every contender ran in {processes} processes; its time in a round is the median "
+        "of its processes' steps, and the intervals resample the processes as well as the "
+        "rounds." if processes > 1 else ""
+    )  # fmt: skip
     parts = [
         f"# Compiled: torch.compile's activation_memory_budget vs gradckpt's plan inside "
         f"the compiled graph, {info.get('gpu') or 'CPU'} ({info['date']})",
@@ -194,7 +258,7 @@ def report(data: dict[str, Any]) -> str:
         f"Ratios in the contender table are over `eager` (no plan, not compiled). "
         "Verdict ratios are paired: our step over the compiler's in the same round, median "
         "over the rounds, with a bootstrap 95% interval; a verdict is `win` when that median "
-        "is at most 1, and says `within noise` when the interval contains 1. "
+        f"is at most 1, and says `within noise` when the interval contains 1.{pooling} "
         f"{info['load_note']}",
     ]
     for model, rows in data["results"].items():
@@ -225,6 +289,14 @@ def report(data: dict[str, Any]) -> str:
                 "for the same graph, so those rows save no more and recompute no more FLOPs "
                 "than the compiler's knapsack answer at F, random ops aside):",
                 markdown_table(PARTITION_HEADERS, chosen),
+            ]
+        spread = process_spread(rows)
+        if spread:
+            parts += [
+                "Each process's own median step, per contender (the same configuration in "
+                "every process; the spread is noise that stays with a process):",
+                markdown_table(["contender", "median step per process (s)", "slowest / fastest"],
+                               spread),
             ]
         noise = twin_noise(rows)
         if noise:

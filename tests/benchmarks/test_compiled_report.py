@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from benchmarks.compiled_report import median_interval, paired_ratios, twin_noise, verdicts
+from benchmarks.compiled_report import (
+    count,
+    median_interval,
+    paired_ratios,
+    paired_stats,
+    pooled,
+    process_spread,
+    twin_noise,
+    verdicts,
+)
 
 
 def _row(kind, peak, times, **extra):
@@ -67,3 +76,37 @@ def test_a_held_out_choice_is_judged_on_rounds_it_was_not_chosen_on():
     ((_, chosen, ratio, verdict),) = verdicts(rows, ("bytes",), held_out=True)
     assert chosen.startswith("gradckpt bytes 0.55") and ratio.startswith("x1.100")
     assert verdict == "loss"
+
+
+def _replicated(kind, peak, replica_times, **extra):
+    row = _row(kind, peak, pooled(replica_times), **extra)
+    row["replica_times"] = replica_times
+    return row
+
+
+def test_processes_pool_by_round_and_their_spread_widens_the_interval():
+    assert pooled([[1.0, 2.0], [3.0, 1.0], [2.0, 5.0]]) == [2.0, 2.0]
+    rounds = 15
+    theirs = [[1.0] * rounds, [1.0] * rounds, [1.0] * rounds]
+    # Ours: one fast, one slow, one even process; every round alike within a process.
+    ours = [[0.94] * rounds, [1.06] * rounds, [1.0] * rounds]
+    rows = {"compile amb=1": _replicated("compiler", 10, theirs),
+            "gradckpt knob amb=1": _replicated("knob", 10, ours)}  # fmt: skip
+    median, low, high = paired_stats(rows["gradckpt knob amb=1"], rows["compile amb=1"])
+    assert median == 1.0
+    # Resampling the processes finds the spread the rounds alone cannot (they are constant).
+    assert low <= 0.94 + 1e-9 and high >= 1.06 - 1e-9
+    flat = dict(rows["gradckpt knob amb=1"])
+    flat.pop("replica_times")
+    assert paired_stats(flat, dict(rows["compile amb=1"], replica_times=None))[1:] == (1.0, 1.0)
+    ((label, medians, spread),) = process_spread({"gradckpt knob amb=1": rows["gradckpt knob amb=1"]})
+    assert label == "`gradckpt knob amb=1`"
+    assert medians == "0.940 / 1.060 / 1.000" and spread == "x1.128"
+
+
+def test_the_count_names_near_misses_apart_from_wins():
+    table = [("a", "", "", "win"), ("b", "", "", "win (within noise)"),
+             ("c", "", "", "loss (within noise)"), ("d", "", "", "loss")]  # fmt: skip
+    text = count(table)
+    assert text.startswith("2 of 4 compiler points met") and "1 more slower by less" in text
+    assert "more slower" not in count(table[:2])

@@ -58,3 +58,26 @@ def test_each_contender_starts_with_its_own_compile_cache(tmp_path: Path, monkey
     with _compile_cache(tmp_path / "b"):
         pass
     assert _CACHE_VARIABLE not in os.environ
+
+
+def test_compiled_quick_with_two_processes_per_contender(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compiled", "--quick", "--threads", "1",
+         "--kinds", "compiler", "--budgets", "1", "--processes", "2",
+         "--name", "pooled", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (md,) = tmp_path.glob("pooled-cpu-*.md")
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert data["info"]["processes"] == 2
+    rows = data["results"]["gpt2"]
+    assert set(rows) == {"eager", "compile amb=1"}
+    for row in rows.values():
+        assert len(row["replica_times"]) == 2 and len(row["replica_peaks"]) == 2
+        assert row["times"] == [
+            (a + b) / 2 for a, b in zip(*row["replica_times"])
+        ]  # the median of two processes' steps, round by round
+    text = md.read_text()
+    assert "| contender | median step per process (s) | slowest / fastest |" in text
+    assert "ran in 2 processes" in text
