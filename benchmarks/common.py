@@ -331,6 +331,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# Environment variables that change a CPU step's speed: glibc's allocator, the OpenMP runtime,
+# a preloaded allocator (tcmalloc, jemalloc).
+SPEED_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES", "OMP_", "KMP_", "GOMP_", "LD_PRELOAD")
+
+
+def speed_environment() -> dict[str, str]:
+    """The set environment variables that change step times (see ``SPEED_VARIABLES``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SPEED_VARIABLES)}
+
+
 def machine_info(**extra: Any) -> dict[str, Any]:
     """What the numbers were measured on, plus ``extra`` (sizes, repeats, ...)."""
     here = Path(__file__).resolve().parent
@@ -357,6 +367,7 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "gradckpt": gradckpt.__version__,
         "git_head": commit or "unknown",
+        **({"environment": env} if (env := speed_environment()) else {}),
         **extra,
     }
 

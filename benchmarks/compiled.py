@@ -12,9 +12,11 @@ U-Net from ``gradckpt.testing``), contenders:
 * ``gradckpt fused F``: the same, planned on the fused view of the profile
   (``compiled_budget.fused_profile``: ops without FLOPs cost no time, as the
   compiler fuses them), which keeps matmuls and recomputes pointwise ops;
-* ``gradckpt knob amb=F``: the compiler's partitioner at budgets between the
-  compiler rows' (0.9/0.8/0.6/0.4/0.2), as ``fit_compiled`` drives it: in
-  bytes, measured, chosen from the table (never over, monotone);
+* ``gradckpt knob amb=F``: the compiler's partitioner as ``fit_compiled``
+  drives it: in bytes, measured, chosen from the table (never over,
+  monotone); at 1.0 (its default partition, one of ``fit_compiled``'s
+  candidates, in its own processes) and at budgets between the compiler
+  rows' (0.8/0.6/0.4);
 * ``gradckpt bytes F``: the compiler's partitioner held by gradckpt's knapsack
   solver (``integrations.compiled_knapsack.SavedBytesSolver``) to saving at most
   F of the bytes its default saves, chosen on the compiled graph itself;
@@ -86,6 +88,8 @@ from benchmarks.compiled_report import OURS_ALL, plot, pooled, report, verdicts
 MODELS = ("gpt2", "llama", "unet")
 KINDS = ("compiler", "twin", "gradckpt", "knob", "bytes")
 _CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"  # inductor's FX graph, AOTAutograd and C++ caches
+# A worker at the full sizes takes up to about 0.9 GiB; one is not started below this.
+MIN_AVAILABLE_MIB = 1536
 # Between two workers' steps: the last one's OpenMP threads stop spinning before the next starts.
 GAP_S = 0.05
 FULL: dict[str, dict[str, Any]] = {
@@ -114,7 +118,7 @@ QUICK: dict[str, dict[str, Any]] = {
 COMPILER_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 PLAN_FRACTIONS = (0.8, 0.6, 0.45, 0.3)
 FUSED_FRACTIONS = (0.9, 0.8, 0.7)
-KNOB_BUDGETS = (0.8, 0.6, 0.4)
+KNOB_BUDGETS = (1.0, 0.8, 0.6, 0.4)
 SAVED_FRACTIONS = (0.8, 0.7, 0.65, 0.6, 0.55, 0.5)
 QUICK_COMPILER_BUDGETS = (1.0, 0.0)
 QUICK_PLAN_FRACTIONS = (0.9,)
@@ -297,19 +301,63 @@ def timed_rounds(conns: dict[str, Any], warmup: int, repeats: int, seed: int) ->
 
     Why shuffled: a worker is not always stepped right after the same neighbour (whose
     threads may still be busy), so no order bias persists.
+
+    A worker that dies (killed for memory, say) keeps the times it had and is
+    stepped no more, so the others' rounds still count.
     """
     times: dict[str, list[float]] = {label: [] for label in conns}
+    alive = dict(conns)
     shuffle = random.Random(seed)
     for round_ in range(warmup + repeats):
-        order = list(conns)
+        order = list(alive)
         shuffle.shuffle(order)
         for label in order:
             time.sleep(GAP_S)
-            conns[label].send("step")
-            seconds = conns[label].recv()
+            try:
+                alive[label].send("step")
+                seconds = alive[label].recv()
+            except (EOFError, OSError):
+                print(f"  {label}: worker died in round {round_}; its later rounds are missing")
+                del alive[label]
+                continue
             if round_ >= warmup:
                 times[label].append(seconds)
     return times
+
+
+def available_mib() -> int | None:
+    """The memory the kernel says is available for new processes (None: not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
+
+
+def _start_replicas(
+    ctx: Any, model: str, sizes: dict, spec: dict, threads: int, caches: list[Path | None]
+) -> tuple[list[tuple[Any, Any, dict]], str | None]:
+    """One worker per cache, or none and why: all of a contender's processes start, or none."""
+    started: list[tuple[Any, Any, dict]] = []
+    error = None
+    for cache in caches:
+        if (left := available_mib()) is not None and left < MIN_AVAILABLE_MIB:
+            # Another worker might be killed for memory mid-run, taking its rounds with it.
+            error = f"not started: {left} MiB of memory available"
+            break
+        conn, proc, first = start_worker(ctx, model, sizes, spec, threads, cache)
+        if "error" in first:
+            error = first["error"]
+            break
+        started.append((conn, proc, first))
+    if error is not None:
+        for conn, proc, _ in started:
+            conn.send("stop")
+            proc.join()
+        return [], error
+    return started, None
 
 
 def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any]]:
@@ -344,27 +392,22 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     workers: dict[str, tuple[Any, Any]] = {}  # worker key -> (connection, process)
     replicas: dict[str, list[str]] = {}  # label -> its workers' keys
     results: dict[str, dict[str, Any]] = {}
-    index = 0
-    for label, spec in specs.items():  # one at a time: compiles do not compete
+    for index, (label, spec) in enumerate(specs.items()):  # one at a time: compiles do not compete
+        caches = [
+            None if args.shared_cache else folder / f"cache-{model}-{index}-{replica}"
+            for replica in range(args.processes)
+        ]  # fmt: skip
+        started, error = _start_replicas(ctx, model, sizes, spec, args.threads, caches)
+        if error is not None:  # a contender whose every process did not start is left out
+            print(f"  {model} {label}: FAILED {error}")
+            results[label] = dict(kind=spec["kind"], error=error)
+            continue
         reports = []
-        for replica in range(args.processes):
-            cache = None if args.shared_cache else folder / f"cache-{model}-{index}"
-            index += 1
-            conn, proc, first = start_worker(ctx, model, sizes, spec, args.threads, cache)
-            if "error" in first:
-                break
+        for replica, (conn, proc, first) in enumerate(started):
             key = label if args.processes == 1 else f"{label} #{replica}"
             workers[key] = (conn, proc)
             replicas.setdefault(label, []).append(key)
             reports.append(first)
-        if "error" in first:  # a contender whose every process did not start is left out
-            print(f"  {model} {label}: FAILED {first['error']}")
-            results[label] = dict(kind=spec["kind"], error=first["error"])
-            for key in replicas.pop(label, []):
-                conn, proc = workers.pop(key)
-                conn.send("stop")
-                proc.join()
-            continue
         peaks = [r["peak"] for r in reports]
         results[label] = dict(
             kind=spec["kind"], budget=spec.get("budget"), times=[], **reports[0],
@@ -385,7 +428,8 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
         else:
             results[label]["times"] = times[keys[0]]
     for conn, proc in workers.values():
-        conn.send("stop")
+        with contextlib.suppress(OSError):  # a worker that died is joined all the same
+            conn.send("stop")
         proc.join()
     for row in results.values():
         if "times" in row:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -34,3 +35,15 @@ def test_the_runs_own_threads_in_the_load_after_it_are_not_a_busy_machine():
     assert load_note(own) == ""
     assert "3.80" in load_note({**own, "load_average_after": "3.80 / 2.00 / 1.00"})
     assert load_note({**own, "threads": None}) != ""  # unknown threads: the load is all others'
+
+
+def test_results_record_the_environment_that_changes_step_times(monkeypatch) -> None:
+    from benchmarks.common import SPEED_VARIABLES, machine_info
+
+    for key in list(os.environ):
+        if key.startswith(SPEED_VARIABLES):
+            monkeypatch.delenv(key)
+    assert "environment" not in machine_info()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    monkeypatch.setenv("UNRELATED_SETTING", "1")
+    assert machine_info()["environment"] == {"MALLOC_MMAP_THRESHOLD_": "33554432"}

@@ -81,3 +81,40 @@ def test_compiled_quick_with_two_processes_per_contender(tmp_path: Path) -> None
     text = md.read_text()
     assert "| contender | median step per process (s) | slowest / fastest |" in text
     assert "ran in 2 processes" in text
+
+
+class _FakeWorker:
+    """A worker's pipe end: answers each step with a time, or dies after ``lives`` steps."""
+
+    def __init__(self, seconds: float, lives: int | None = None) -> None:
+        self.seconds, self.lives, self.steps = seconds, lives, 0
+
+    def send(self, message: str) -> None:
+        if self.lives is not None and self.steps >= self.lives:
+            raise BrokenPipeError("worker gone")
+        self.steps += 1
+
+    def recv(self) -> float:
+        return self.seconds
+
+
+def test_a_worker_that_dies_keeps_its_rounds_and_the_others_go_on(monkeypatch) -> None:
+    import benchmarks.compiled as compiled
+
+    monkeypatch.setattr(compiled, "GAP_S", 0.0)
+    conns = {"steady": _FakeWorker(1.0), "dies": _FakeWorker(2.0, lives=3)}
+    times = compiled.timed_rounds(conns, warmup=1, repeats=4, seed=0)
+    assert times == {"steady": [1.0] * 4, "dies": [2.0, 2.0]}  # 3 steps, the first a warm-up
+
+
+def test_no_worker_starts_when_memory_is_short(monkeypatch) -> None:
+    import benchmarks.compiled as compiled
+
+    monkeypatch.setattr(compiled, "available_mib", lambda: compiled.MIN_AVAILABLE_MIB - 1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(compiled, "start_worker", never)
+    started, error = compiled._start_replicas(None, "gpt2", {}, {}, 1, [None, None])
+    assert started == [] and error.startswith("not started:") and "MiB of memory" in error
