@@ -98,9 +98,9 @@ def test_the_compiled_stage_asks_compiled_py_for_a_few_cuda_contenders(tmp_path)
     from benchmarks import compiled, gpu_check
 
     args = compiled.parser().parse_args(gpu_check.compiled_arguments(False, tmp_path))
-    assert args.device == "cuda" and args.models == ["gpt2"] and not args.quick
-    assert args.budgets == [1.0, 0.5, 0.1] and args.saved == [0.55]
-    assert set(args.kinds) == {"compiler", "twin", "bytes"}
+    assert args.device == "cuda" and args.models == ["llama"] and not args.quick
+    assert args.budgets == [1.0, 0.7] and args.knobs == [1.0] and args.saved == [0.7]
+    assert set(args.kinds) == {"compiler", "twin", "knob", "bytes"}
     assert compiled._sizes(args) is compiled.GPU
     dry = compiled.parser().parse_args(gpu_check.compiled_arguments(True, tmp_path))
     assert dry.quick and dry.device == "cpu"
