@@ -40,8 +40,12 @@ def paired_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> list[float]:
 
 
 def pooled(replica_times: list[list[float]]) -> list[float]:
-    """Per round, the median of the processes' step times (processes of one contender)."""
-    return [statistics.median(column) for column in zip(*replica_times)]
+    """Per round, the median of the processes' step times (processes of one contender).
+
+    A process that died has fewer rounds; later rounds pool the processes still timed.
+    """
+    rounds = max((len(t) for t in replica_times), default=0)
+    return [statistics.median(t[i] for t in replica_times if len(t) > i) for i in range(rounds)]
 
 
 def _replicas(row: dict[str, Any]) -> list[list[float]]:
@@ -63,12 +67,12 @@ def paired_stats(
         return median_interval(ratios, seed)
     mine = [t[rounds] for t in mine]
     other = [t[rounds] for t in other]
-    n = min(len(t) for t in mine + other)
     rng = random.Random(seed)
     medians = []
     for _ in range(BOOTSTRAP):
         a = pooled(rng.choices(mine, k=len(mine)))
         b = pooled(rng.choices(other, k=len(other)))
+        n = min(len(a), len(b))
         picks = rng.choices(range(n), k=n)
         medians.append(statistics.median(a[i] / b[i] for i in picks))
     medians.sort()

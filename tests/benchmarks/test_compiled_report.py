@@ -86,6 +86,7 @@ def _replicated(kind, peak, replica_times, **extra):
 
 def test_processes_pool_by_round_and_their_spread_widens_the_interval():
     assert pooled([[1.0, 2.0], [3.0, 1.0], [2.0, 5.0]]) == [2.0, 2.0]
+    assert pooled([[1.0, 2.0, 4.0], [3.0]]) == [2.0, 2.0, 4.0]  # the second process died
     rounds = 15
     theirs = [[1.0] * rounds, [1.0] * rounds, [1.0] * rounds]
     # Ours: one fast, one slow, one even process; every round alike within a process.
