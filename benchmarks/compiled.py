@@ -422,11 +422,10 @@ def _bench_model(model: str, args: Any, folder: Path) -> dict[str, dict[str, Any
     conns = {key: conn for key, (conn, _) in workers.items()}
     times = timed_rounds(conns, args.warmup, args.repeats, args.seed)
     for label, keys in replicas.items():
-        if args.processes > 1:
-            results[label]["replica_times"] = [times[key] for key in keys]
-            results[label]["times"] = pooled(results[label]["replica_times"])
-        else:
-            results[label]["times"] = times[keys[0]]
+        per_process = [times[key] for key in keys]
+        results[label]["times"] = pooled(per_process)  # one process: its own times
+        if len(keys) > 1:
+            results[label]["replica_times"] = per_process
     for conn, proc in workers.values():
         with contextlib.suppress(OSError):  # a worker that died is joined all the same
             conn.send("stop")

@@ -258,19 +258,27 @@ def run_frontier(dry: bool, device: str, log: Callable[[str], None]) -> list[dic
     return out
 
 
-def run_hf_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str], None]) -> str:
-    script = HERE / "hf_models.py"
-    if not script.is_file():
-        return "benchmarks/hf_models.py is missing: skipped"
-    cmd = [sys.executable, str(script), "--out", str(outdir)] + (["--quick"] if dry else [])
+def _run_script(
+    name: str, args: list[str], outdir: Path, timeout: float, log: Callable[[str], None]
+) -> str:
+    """Run one benchmark script (``python -m benchmarks.<name>``) within ``timeout``; its status."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
     log(f"  running {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1),
+                              cwd=HERE.parent)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return f"hf_models.py did not finish in {timeout:.0f} s: stopped"
+        return f"{name}.py did not finish in {timeout:.0f} s: stopped"
     if proc.returncode != 0:
-        return f"hf_models.py failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
-    return "hf_models.py: done, results in " + str(outdir)
+        return f"{name}.py failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return f"{name}.py: done, results in {outdir}"
+
+
+def run_hf_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str], None]) -> str:
+    if not (HERE / "hf_models.py").is_file():
+        return "benchmarks/hf_models.py is missing: skipped"
+    args = ["--out", str(outdir)] + (["--quick"] if dry else [])
+    return _run_script("hf_models", args, outdir, timeout, log)
 
 
 def compiled_arguments(dry: bool, outdir: Path) -> list[str]:
@@ -292,16 +300,7 @@ def run_compiled_benchmark(
     # A few contenders only: each compiles from scratch (about a minute), and the GPU run
     # must leave time for the other stages. Llama, as its amb 1.0/0.7 verdicts flip between
     # CPU runs (compiled-llama-3-processes-cpu-2026-12-01.md); GPT-2 holds on the CPU.
-    cmd = [sys.executable, "-m", "benchmarks.compiled", *compiled_arguments(dry, outdir)]
-    log(f"  running {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1),
-                              cwd=HERE.parent)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"compiled.py did not finish in {timeout:.0f} s: stopped"
-    if proc.returncode != 0:
-        return f"compiled.py failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
-    return "compiled.py: done, results in " + str(outdir)
+    return _run_script("compiled", compiled_arguments(dry, outdir), outdir, timeout, log)
 
 
 def _log(line: str) -> None:
