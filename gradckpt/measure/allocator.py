@@ -48,6 +48,7 @@ __all__ = [
     "MemoryEvents",
     "allocator_block_bytes",
     "close_mark",
+    "foreign_profiler_running",
     "marked_spans",
     "open_mark",
 ]
@@ -142,7 +143,14 @@ def _walk(events: list[Any], mark: int, out: list[tuple]) -> None:
             _walk(e.children, inner, out)
 
 
-def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, ...]]:
+def _flat_events(result: Any) -> list[tuple]:
+    """The events of one profiler session as (start_ns, mark, alloc_size, block, device)."""
+    flat: list = []
+    _walk(result.experimental_event_tree(), -1, flat)
+    return flat
+
+
+def _allocation_events(flat: list[tuple], device: torch.device) -> list[tuple[int, ...]]:
     """(start_ns, mark or -1, bytes allocated (+) or freed (-), live total, block) on ``device``.
 
     The total counts only blocks allocated inside the region: the free of a
@@ -150,9 +158,7 @@ def _allocation_events(result: Any, device: torch.device) -> list[tuple[int, ...
     would count it, and it can even be stale: a block allocated under an
     earlier profiler session and freed between sessions stays in its table).
     """
-    flat: list = []
-    _walk(result.experimental_event_tree(), -1, flat)
-    flat.sort(key=lambda e: e[0])  # the tree is ordered per thread; merge by time
+    flat = sorted(flat, key=lambda e: e[0])  # the tree is ordered per thread; merge by time
     index = device.index if device.index is not None else 0
     live: dict[int, int] = {}
     total = 0
@@ -225,6 +231,16 @@ def marked_spans(events: list[tuple[int, ...]]) -> dict[int, MarkedSpan]:
     return {m: MarkedSpan(*s) for m, s in spans.items()}
 
 
+#: Our open sessions, outermost first. Torch runs one profiler at a time, so only
+#: the innermost one runs; the ones around it are paused and get its events.
+_OPEN: list[MemoryEvents] = []
+
+
+def foreign_profiler_running() -> bool:
+    """True when a profiler that is not one of ours runs (ours nest; a foreign one does not)."""
+    return bool(_ag._profiler_enabled()) and not _OPEN
+
+
 class MemoryEvents:
     """The allocator's allocation and free events during a region, from torch's profiler.
 
@@ -232,6 +248,11 @@ class MemoryEvents:
     the ``with`` block: ``events`` as ``(start_ns, mark, delta, running_total, block)``
     (``mark`` is the innermost :func:`open_mark` span, -1 outside every one),
     ``peak_bytes`` and ``end_bytes`` of the blocks allocated inside the region.
+
+    Sessions nest: one opened inside another (``gradckpt.profile`` inside an
+    :class:`AllocatorTracker` around a whole ``fit``) pauses the outer one, and
+    the outer one gets the inner one's events when it ends (their marks as -1).
+    What is allocated in the instants between the two sessions is not seen.
 
     Example:
         >>> with MemoryEvents() as ev:
@@ -245,22 +266,37 @@ class MemoryEvents:
         self.peak_bytes = 0
         self.end_bytes = 0
         self._stderr = _FilteredStderr()
+        self._flat: list[tuple] = []
 
     def __enter__(self) -> MemoryEvents:
         self._stderr.__enter__()
+        outer = _OPEN[-1] if _OPEN else None
         try:
+            if outer is not None:
+                outer._pause()
             _start_memory_events(self.device)
         except BaseException:
+            if outer is not None:
+                _start_memory_events(outer.device)
             self._stderr.__exit__()
             raise
+        _OPEN.append(self)
         return self
+
+    def _pause(self) -> None:
+        self._flat.extend(_flat_events(_ag._disable_profiler()))
 
     def __exit__(self, *exc: object) -> None:
         try:
-            result = _ag._disable_profiler()
+            self._pause()
         finally:
+            _OPEN.remove(self)
+            if _OPEN:  # hand our events to the session around us and let it run again
+                _OPEN[-1]._flat.extend((t, -1, size, ptr, where) for t, _, size, ptr, where in self._flat)
+                _start_memory_events(_OPEN[-1].device)
             self._stderr.__exit__()
-        self.events = _allocation_events(result, self.device)
+        self.events = _allocation_events(self._flat, self.device)
+        self._flat = []
         if not self.events:
             return
         self.peak_bytes = max(0, max(e[3] for e in self.events))

@@ -25,9 +25,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch._C import _autograd
 
-from gradckpt.measure.allocator import MemoryEvents, allocator_block_bytes
+from gradckpt.measure.allocator import (
+    MemoryEvents,
+    allocator_block_bytes,
+    foreign_profiler_running,
+)
 from gradckpt.profiling.recorder import StepRecorder
 
 __all__ = ["allocator_events", "op_workspaces", "step_device"]
@@ -46,7 +49,7 @@ def allocator_events(device: torch.device | None) -> Iterator[MemoryEvents | Non
     if device is None:
         yield None
         return
-    if _autograd._profiler_enabled():
+    if foreign_profiler_running():
         warnings.warn(
             "gradckpt.profile ran inside another torch profiler, so kernel workspaces "
             "could not be measured; the profile's peak is the tensor-level one",
