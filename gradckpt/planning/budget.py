@@ -1,4 +1,4 @@
-"""Budgets: bytes, strings with units, or a fraction of the plain peak."""
+"""Budgets: bytes, strings with units, a fraction of the plain peak, or "auto" (device memory)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _FORMS = (
     "A budget is bytes (an int such as 800_000_000), a string with units ('800MB', "
-    "'1.5GiB', '12 GB'; case-insensitive; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024), "
-    "or a fraction of the uncheckpointed peak: a float in (0, 1] such as 0.5, or '50%'"
+    "'1.5GiB', '12 GB'; case-insensitive; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024); "
+    "a fraction of the uncheckpointed peak: a float in (0, 1] such as 0.5, or '50%'; "
+    "or 'auto' (alias 'device'): the memory of the device the model is on, less a stated "
+    "headroom"
 )
+_DEVICE_WORDS = ("auto", "device")
 
 
 def _number(text: str, original: str) -> float:
@@ -36,14 +39,30 @@ class BudgetError(ValueError):
         self.least_peak_bytes = least_peak_bytes
 
 
-def parse_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
+def parse_budget(
+    budget: int | float | str, plain_peak_bytes: int, *, device_bytes: int | None = None
+) -> int:
     """The budget in bytes.
+
+    ``"auto"`` is ``device_bytes``, which the caller measures with
+    :func:`gradckpt.measure.device.device_memory` (``.budget_bytes``).
 
     Example:
         >>> parse_budget("1.5GiB", 0), parse_budget(0.5, 1000), parse_budget(800, 0)
         (1610612736, 500, 800)
+        >>> parse_budget("auto", 0, device_bytes=4096)
+        4096
     """
     kind, value = read_budget(budget)
+    if kind == "device":
+        if device_bytes is None:
+            raise ValueError(
+                f"budget {budget!r} is the memory of the device the model is on, and that "
+                "is needed here: measure it with gradckpt.measure.device.device_memory("
+                "device, held_bytes=...).budget_bytes and pass it as device_bytes, or give "
+                "the budget in bytes"
+            )
+        return int(device_bytes)
     return int(value) if kind == "bytes" else int(value * plain_peak_bytes)
 
 
@@ -59,13 +78,15 @@ def check_budget(budget: object) -> None:
 
 
 def read_budget(budget: object) -> tuple[str, float]:
-    """("bytes", n) or ("fraction", f): what the user meant, or a ValueError in their words.
+    """("bytes", n), ("fraction", f) or ("device", 0.0): what the user meant, or a
+    ValueError in their words.
 
     The one budget parser: the API, the CLI and the integrations all read budgets here.
+    ``"auto"`` and ``"device"`` (any case) are the device's memory, measured later.
 
     Example:
-        >>> read_budget("50%"), read_budget("1KiB")
-        (('fraction', 0.5), ('bytes', 1024))
+        >>> read_budget("50%"), read_budget("1KiB"), read_budget("auto")
+        (('fraction', 0.5), ('bytes', 1024), ('device', 0.0))
     """
     if isinstance(budget, bool) or budget is None:
         raise _bad(budget)
@@ -83,6 +104,8 @@ def read_budget(budget: object) -> tuple[str, float]:
         return "fraction", float(budget)
     if isinstance(budget, str):
         text = budget.strip()
+        if text.lower() in _DEVICE_WORDS:
+            return "device", 0.0
         if text.endswith("%"):
             percent = _number(text[:-1], budget)
             if not 0.0 < percent <= 100.0:
