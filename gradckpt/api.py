@@ -18,9 +18,17 @@ import torch
 from torch import nn
 
 from gradckpt import api_shapes, replan
+from gradckpt.api_budget import (
+    annotated,
+    budget_profile,
+    check_step_arguments,
+    resolve_budget,
+    training_step,
+)
 from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
+from gradckpt.measure.device import DeviceMemory
 from gradckpt.planning.budget import check_budget
 from gradckpt.planning.explain import Explanation
 from gradckpt.planning.offload_cost import OffloadOptions, offload_options
@@ -28,9 +36,11 @@ from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.planset import PlanSet, ShapeKey
 from gradckpt.planning.solvers import SOLVERS, Solver
+from gradckpt.planning.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
@@ -87,19 +97,32 @@ def _check_arguments(
         raise TypeError(f"segments= is True or False, got {segments!r}")
 
 
-def profile(model: nn.Module, loss_fn: LossFn, **options: Any) -> Profile:
+def profile(
+    model: nn.Module,
+    loss_fn: LossFn,
+    *,
+    optimizer: Any = None,
+    accumulation_steps: int = 1,
+    set_to_none: bool = True,
+    **options: Any,
+) -> Profile:
     """Measure one training step (``gradckpt.profile``); see :func:`gradckpt.profiling.run.profile`.
 
     Registered adapters prepare the model first (transformers: no KV cache while
     profiling); a fitted model's shape guard stays out of the profiling passes.
+    With ``optimizer``, ``accumulation_steps`` or ``set_to_none=False`` the profile
+    counts the whole training step (see :func:`plan`), so plans made from it do too.
 
     Example:
         >>> prof = gradckpt.profile(model, loss_fn, fake=True)
+        >>> whole = gradckpt.profile(model, loss_fn, optimizer=opt, accumulation_steps=4)
     """
     _check_arguments(
         model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
     )
-    return profile_step(model, loss_fn, **options)
+    check_step_arguments(optimizer, accumulation_steps, set_to_none)
+    step = training_step(model, optimizer, accumulation_steps, set_to_none)
+    return with_training_step(profile_step(model, loss_fn, **options), step)
 
 
 def _offload_for(offload: object, solver: object) -> OffloadOptions | None:
@@ -114,8 +137,42 @@ def _offload_for(offload: object, solver: object) -> OffloadOptions | None:
 
 def _profile(model: nn.Module, loss_fn: LossFn, options: PlanOptions) -> Profile:
     if options.profile is not None:
-        return options.profile
-    return profile_step(model, loss_fn, blocks=options.blocks, repeats=options.repeats)
+        return with_training_step(options.profile, options.step)
+    prof = profile_step(model, loss_fn, blocks=options.blocks, repeats=options.repeats)
+    return with_training_step(prof, options.step)
+
+
+def _whole_step(
+    model: nn.Module, budget: int | float | str, optimizer: Any, accumulation: int, to_none: bool
+) -> tuple[int | float | str, DeviceMemory | None, TrainingStep | None]:
+    """The budget as bytes or a fraction ("auto" read from the device) and the step it holds."""
+    step = training_step(model, optimizer, accumulation, to_none)
+    budget, device = resolve_budget(model, budget, optimizer)
+    if device is not None and step is None:
+        step = TrainingStep()  # the breakdown shows the device's rule, and what is not counted
+    return budget, device, step
+
+
+def _plan_one(
+    model: nn.Module, loss_fn: LossFn, budget: int | float | str, options: PlanOptions
+) -> Plan:
+    """``plan`` without shapes: profiled within the budget, and checked when planned from
+    fake tensors (one real step of the leanest plan, one of the plan: never the plain step)."""
+    raw = None
+    if options.profile is not None:
+        prof = with_training_step(options.profile, options.step)
+    else:
+        prof, raw = budget_profile(model, loss_fn, budget, options.step,
+                                   blocks=options.blocks, repeats=options.repeats)  # fmt: skip
+    planner = Planner(prof, segments=options.segments, offload=options.offload)
+    chosen = planner.plan(budget, options.solver)
+    if raw is None:
+        return chosen
+    from gradckpt.apply.frugal import frugal_measured
+
+    with shape_guard.paused(model):
+        return frugal_measured(model, loss_fn, planner, raw, chosen, planner.budget_bytes(budget),
+                               1, rounds=1, solver=options.solver)  # fmt: skip
 
 
 def plan(
@@ -132,6 +189,9 @@ def plan(
     loss_from: replan.LossFrom | None = None,
     seq_dim: int = 1,
     offload: bool | OffloadOptions = False,
+    optimizer: Any = None,
+    accumulation_steps: int = 1,
+    set_to_none: bool = True,
 ) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
@@ -140,8 +200,13 @@ def plan(
         loss_fn: zero-argument callable: one forward on a representative batch, returns the loss.
             Called ``1 + 2 * repeats`` times while profiling (see :func:`gradckpt.profile`);
             everything it touches is left as found.
-        budget: bytes (int), a string with units ("800MB", "1.5GiB"), or a float in
-            (0, 1] meaning that fraction of the uncheckpointed peak.
+        budget: bytes (int), a string with units ("800MB", "1.5GiB"), ``"auto"`` (the
+            memory of the device the model is on, less a stated headroom:
+            :mod:`gradckpt.measure.device`), or a float in (0, 1] meaning that fraction
+            of the uncheckpointed peak. A budget in bytes is never exceeded while
+            planning: when the plain step may not fit it, the step is profiled under
+            fake tensors and checked on steps under plans that fit
+            (:mod:`gradckpt.api_budget`).
         blocks: the repeated blocks (paths or predicate); found automatically if None.
         solver: "dp" (default) or a baseline name from ``gradckpt.planning.solvers.SOLVERS``.
         repeats: profiled steps to take median op times from.
@@ -157,6 +222,15 @@ def plan(
             chooses keep, recompute or offload per block): True (a 25 GB/s link, no
             host budget) or :class:`gradckpt.OffloadOptions` (bandwidth, host budget,
             min bytes). On CPU the time it costs is simulated from that bandwidth.
+        optimizer: count the whole training step: a live ``torch.optim.Optimizer``, a
+            class or ``(class, kwargs)``, or a name ("adamw", "sgd", ...). Its state and
+            ``step()`` temporaries are predicted on fake tensors
+            (:func:`gradckpt.measure.optimizer_memory`); the plan's peak is then the
+            step's whole peak, in parts in ``plan.step``. None: not counted (the
+            summary says so).
+        accumulation_steps: micro-batches per optimizer step; from the second on the
+            gradients are resident through forward and backward.
+        set_to_none: False when gradients are zeroed in place (resident always).
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
@@ -172,11 +246,14 @@ def plan(
     """
     _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
-    options = PlanOptions(blocks, solver, repeats, profile, segments, _offload_for(offload, solver))
+    check_step_arguments(optimizer, accumulation_steps, set_to_none)
+    budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
+    offload_opts = _offload_for(offload, solver)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step)
     if shapes is None:
-        prof = _profile(model, loss_fn, options)
-        return Planner(prof, segments=segments, offload=options.offload).plan(budget, solver)
+        return annotated(_plan_one(model, loss_fn, budget, options), device)
     fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
+    first = annotated(first, device)
     if fitted is None:
         raise ValueError(
             f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so there is "
@@ -211,6 +288,9 @@ def fit(
     segments: bool = True,
     compile: bool | dict[str, Any] = False,
     offload: bool | OffloadOptions = False,
+    optimizer: Any = None,
+    accumulation_steps: int = 1,
+    set_to_none: bool = True,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
@@ -246,6 +326,9 @@ def fit(
             to ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
+        optimizer, accumulation_steps, set_to_none: the whole training step, as for
+            :func:`plan`: pass the optimizer you train with, and the budget is your
+            device's memory (``budget="auto"`` reads it).
         compile: True or ``torch.compile`` arguments: run the plan inside one
             compiled graph (:func:`gradckpt.compile`; segments included). The
             budget is then held at the allocator, measured: one compiled step is
@@ -271,6 +354,7 @@ def fit(
         profile=profile,
         segments=segments,
     )  # before the model is touched; fmt: skip
+    check_step_arguments(optimizer, accumulation_steps, set_to_none)
     offload_opts = _offload_for(offload, solver)
     if offload_opts is not None and compile:
         raise ValueError(
@@ -290,11 +374,13 @@ def fit(
             f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
             f"measurement off), got {measure_candidates!r}"
         )
-    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts)
+    budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step)
     with adapters.training(model):  # transformers: use_cache off for training, said once
         fitted, chosen, prof = api_shapes.plan_fitted(
             model, loss_fn, budget, options, measure_candidates
         )
+        chosen = annotated(chosen, device)
         if fitted is None:
             warnings.warn(
                 f"gradckpt: loss_fn never called {type(model).__name__}'s own forward, so "

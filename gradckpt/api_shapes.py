@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gradckpt import replan
+from gradckpt.api_budget import budget_profile
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
 from gradckpt.planning.budget import BudgetError
@@ -28,10 +29,12 @@ from gradckpt.planning.planner import Planner
 from gradckpt.planning.planset import ShapeKey
 from gradckpt.planning.simulate import simulate
 from gradckpt.planning.solvers import Solver
+from gradckpt.planning.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.fake import fake_model
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["PlanOptions", "guard", "plan_fitted", "plan_shape", "shape_planner"]
@@ -49,6 +52,8 @@ class PlanOptions:
     profile: Profile | None = None
     segments: bool = True
     offload: OffloadOptions | None = None
+    #: The training step around forward/backward that the budget also holds.
+    step: TrainingStep | None = None
 
 
 def plan_fitted(
@@ -69,10 +74,13 @@ def plan_fitted(
     """
     recording = replan.capture_call(model, loss_fn)
     given = options.profile
+    raw_fake = None  # set when the plain step may not fit: planned from fake tensors
     if given is None:
-        prof = profile_step(model, recording, blocks=options.blocks, repeats=options.repeats)
+        prof, raw_fake = budget_profile(
+            model, recording, budget, options.step, blocks=options.blocks, repeats=options.repeats
+        )
     else:
-        prof = given
+        prof = with_training_step(given, options.step)
     calls = recording.calls  # type: ignore[attr-defined]
     segments = options.segments
     if given is None and not calls:
@@ -83,7 +91,14 @@ def plan_fitted(
     budget_bytes = planner.budget_bytes(budget)
     chosen = planner.plan(budget_bytes, options.solver)
     measured = measure_candidates and not prof.fake
-    if measured:
+    if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
+        from gradckpt.apply.frugal import frugal_measured
+
+        with shape_guard.paused(model):
+            chosen = frugal_measured(model, recording, planner, raw_fake, chosen, budget_bytes,
+                                     max(1, measure_candidates), solver=options.solver)  # fmt: skip
+        measured = True
+    elif measured:
         from gradckpt.apply.select import fastest_measured
 
         count = measure_candidates if options.solver == "dp" else 1
@@ -120,7 +135,8 @@ def shape_planner(
         return profile_step(model, step, blocks=options.blocks, fake=True)
 
     def solve_profile(prof: Profile) -> Plan:
-        return Planner(prof, segments=options.segments, offload=options.offload).plan(budget_bytes, options.solver)
+        whole = with_training_step(prof, options.step)
+        return Planner(whole, segments=options.segments, offload=options.offload).plan(budget_bytes, options.solver)
 
     return replan.ShapePlanner(
         model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale

@@ -23,6 +23,7 @@ from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.chain import _MATMUL_NAMES
 from gradckpt.planning.plan import Item, Plan, Segment, UnitChoice
 from gradckpt.planning.simulate import Prediction, simulate
+from gradckpt.planning.whole_step import step_parts
 from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = [
@@ -59,6 +60,7 @@ def finish(
             input_shapes=profile.input_shapes,
             not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
             peak_level=profile.peak_level,
+            step=step_parts(profile, pred),
         ),
         pred,
     )

@@ -250,7 +250,8 @@ def build_chain(
         # The chain model reads option 0 as the plain unit and option 1 as a full region.
         assert options[:2] == [KEEP, RECOMPUTE], f"internal: options of {u.path}: {options[:2]}"
         stage_options.append(options)
-    span = max(1, profile.measured_peak_bytes - profile.param_bytes)
+    base = profile.param_bytes + profile.resident_bytes  # held through the whole step
+    span = max(1, profile.measured_peak_bytes - base)
     unit_bytes = max(1, math.ceil(span / grid))
 
     def up(nbytes: float) -> int:
@@ -336,6 +337,6 @@ def build_chain(
         units=units,
         options=tuple(tuple(o) for o in stage_options),
         unit_bytes=unit_bytes,
-        base_bytes=profile.param_bytes,
+        base_bytes=base,
         offload=offload,
     )

@@ -35,6 +35,7 @@ from gradckpt._versioned import check_header
 from gradckpt.engine.decisions import KEEP, Decision, Selective, decision_from_json
 from gradckpt.planning.errors import PlanFormatError, check_plan_fields
 from gradckpt.planning.offload_cost import OffloadOptions
+from gradckpt.planning.step_parts import StepParts
 
 __all__ = [
     "PLAN_VERSION",
@@ -179,6 +180,11 @@ class Plan:
     #: (parameters and buffers included), measured by ``fit(..., compile=True)``;
     #: None: not measured (eager plans).
     measured_compiled_peak_bytes: int | None = None
+    #: The predicted peak in parts (parameters, gradients, optimizer state and step,
+    #: activations) and the phase that sets it, when the plan was made for a whole
+    #: training step (``optimizer=``, ``accumulation_steps=``); None: one micro-batch's
+    #: forward and backward, the optimizer not counted.
+    step: StepParts | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -225,6 +231,13 @@ class Plan:
             except (TypeError, ValueError) as e:
                 raise PlanFormatError(
                     f"{source + ': ' if source else ''}malformed gradckpt plan: offload: {e}"
+                ) from None
+        if fields.get("step") is not None:
+            try:
+                fields["step"] = StepParts.from_json(fields["step"])
+            except TypeError as e:
+                raise PlanFormatError(
+                    f"{source + ': ' if source else ''}malformed gradckpt plan: step: {e}"
                 ) from None
         if fields.get("measured_overhead_range") is not None:
             fields["measured_overhead_range"] = tuple(fields["measured_overhead_range"])

@@ -36,6 +36,7 @@ from gradckpt.planning.solvers import (
     solve,
     without_segments,
 )
+from gradckpt.planning.whole_step import check_floor
 from gradckpt.profiling.records import Profile
 
 __all__ = ["FrontierPoint", "Planner"]
@@ -110,6 +111,7 @@ class Planner:
         """
         nbytes = self.budget_bytes(budget)
         check_plannable(self.profile)  # before the chain is built: the error in the user's terms
+        check_floor(self.profile, nbytes)  # the optimizer's part, which no plan lowers
         offload = offload if offload is not None else self.offload
         if offload is not None:
             return solve(self.profile, nbytes, solver, segments=self.segments, offload=offload)

@@ -79,6 +79,13 @@ def plan_summary(plan: Plan) -> str:
             f"  measured compiled peak {format_bytes(plan.measured_compiled_peak_bytes)} "
             "(one compiled step, at the allocator)"
         )
+    if plan.step is not None:
+        head += plan.step.lines()
+    else:
+        head.append(
+            "  the optimizer is NOT counted: this peak is one micro-batch's forward and "
+            "backward (pass optimizer= to plan the whole training step)"
+        )
     shared = [
         f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
         for path, calls in plan.not_planned

@@ -72,6 +72,9 @@ class Prediction:
     #: Bytes the plan's effects hold in host memory at once (offloaded units, at the end
     #: of forward).
     host_bytes: int = 0
+    #: The forward/backward phase's peak; ``peak_bytes`` is the larger of it and the
+    #: profile's ``floor_bytes`` (the optimizer step's peak, when the step is counted).
+    fwd_bwd_peak_bytes: int = 0
 
 
 class Recomputed(NamedTuple):
@@ -252,8 +255,11 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
     stall = effect.stall if effect is not None else 0.0
     step_time = profile.step_time + sim.recompute_time + engine + stall
+    fwd_bwd = profile.param_bytes + profile.resident_bytes + peak
     return Prediction(
-        peak_bytes=profile.param_bytes + peak,
+        # The optimizer step's peak (the floor) no plan lowers; it can be the step's peak.
+        peak_bytes=max(fwd_bwd, profile.floor_bytes),
+        fwd_bwd_peak_bytes=fwd_bwd,
         step_time=step_time,
         overhead=step_time / profile.step_time - 1.0 if profile.step_time > 0 else 0.0,
         recompute_time=sim.recompute_time,

@@ -102,6 +102,7 @@ def assemble(
         device=device_of(model),
         input_shapes=shapes,
         engine_costs=engine_costs(device_of(model)),  # measured once per process
+        grad_storages=main.grad_storages,
     )
 
 

@@ -112,6 +112,9 @@ def run_pass(
         recorder.forward = False
         if plain:
             loss.backward()
+            # The model's parameters now (under fake tensors, the fake ones in their place).
+            grads = (recorder.sid_of(p.grad) for p in state.model.parameters() if p.grad is not None)
+            recorder.grad_storages = tuple(sorted({sid for sid in grads if sid >= 0}))
         del loss
         recorder.active = False
     recorder.watcher.close()

@@ -130,6 +130,8 @@ class StepRecorder:
     #: Per-op workspace bytes and the step's allocator peak, when the pass measured them.
     workspaces: list[int] | None = None
     allocator_peak: int | None = None
+    #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
+    grad_storages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.watcher = StorageWatcher(on_alloc=self._alloc, on_free=self._free)

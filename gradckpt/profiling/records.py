@@ -31,6 +31,7 @@ from typing import Any
 
 from gradckpt._versioned import check_header
 from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.profiling.training_step import TrainingStep
 
 __all__ = [
     "NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord", "retimed"
@@ -155,11 +156,29 @@ class Profile:
     peak_level: str = "tensors"
     #: What gradckpt's engine adds per region, recomputed op, policy op and saved tensor.
     engine_costs: EngineCosts = field(default_factory=EngineCosts)
+    #: Storages that are the parameters' gradients at the end of the step (made in
+    #: backward, alive at its end); what stays resident under gradient accumulation.
+    grad_storages: tuple[int, ...] = ()
+    #: Bytes held through the whole forward and backward besides parameters and buffers:
+    #: optimizer state, and gradients when they are resident (see :attr:`step`).
+    resident_bytes: int = 0
+    #: A peak outside the forward and backward that no plan changes: the optimizer
+    #: step's (parameters, gradients, state and the step's temporaries); 0: not counted.
+    floor_bytes: int = 0
+    #: The training step folded into this profile
+    #: (:func:`gradckpt.planning.whole_step.with_training_step`); None: forward and
+    #: backward of one micro-batch only.
+    step: TrainingStep | None = None
     version: int = field(default=PROFILE_VERSION)
 
     @property
     def blocks(self) -> tuple[UnitRecord, ...]:
         return tuple(u for u in self.units if u.is_block)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the parameters' gradients the step makes (each storage once)."""
+        return sum(self.storages[i].nbytes for i in self.grad_storages)
 
     @property
     def forward_time(self) -> float:
@@ -171,6 +190,7 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["step"] = self.step.to_json() if self.step is not None else None
         data["kind"] = "gradckpt.Profile"
         return data
 
@@ -200,6 +220,10 @@ class Profile:
             tracker_peak_bytes=data["tracker_peak_bytes"],
             peak_level=data["peak_level"],
             engine_costs=EngineCosts.from_json(data.get("engine_costs")),
+            grad_storages=tuple(data.get("grad_storages", ())),
+            resident_bytes=data.get("resident_bytes", 0),
+            floor_bytes=data.get("floor_bytes", 0),
+            step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
             version=data["version"],
         )
 

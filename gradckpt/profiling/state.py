@@ -37,6 +37,7 @@ class StepState:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.params = list(model.parameters())
         self.grads = [p.grad for p in self.params]
         self.leaves: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # outside the model

@@ -1,0 +1,134 @@
+"""The budget is the device: fit/plan hold the whole training step at the allocator.
+
+Every check here is at the allocator (``AllocatorTracker``: torch's CPU
+allocator events), over whole steps: forward and backward of every
+micro-batch, ``optimizer.step()`` included, from the call that plans to the end
+of the 5th step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gradckpt
+from gradckpt.integrations.hf import disable_cache
+from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.measure import AllocatorTracker, state_bytes
+from gradckpt.measure.device import DeviceMemory
+from gradckpt.planning.budget import BudgetError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(model, loss_fn, opt, k: int, steps: int = 5, set_to_none: bool = True) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(k):
+            loss = loss_fn()
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def _example(name: str):
+    return hf_example(name, layers=3, hidden=64, heads=4, seq=64, batch=4, vocab=256)
+
+
+def _plain(name: str, k: int, set_to_none: bool = True) -> tuple[int, list[float]]:
+    """The plain run's whole-step allocator high-water over 5 steps, and its losses."""
+    ex = _example(name)
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    torch.manual_seed(5)
+    with AllocatorTracker() as at:
+        losses = _train(ex.model, ex.loss_fn, opt, k, set_to_none=set_to_none)
+    return state_bytes(ex.model) + at.peak_bytes, losses
+
+
+@pytest.mark.parametrize(("name", "k"), [("gpt2", 1), ("gpt2", 4), ("llama", 1), ("llama", 4)])
+def test_fit_holds_the_whole_step_from_planning_to_the_5th_step(name, k):
+    plain_peak, plain_losses = _plain(name, k)
+    budget = int(0.6 * plain_peak)
+    ex = _example(name)
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    with AllocatorTracker() as everything:
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt, accumulation_steps=k)
+        torch.manual_seed(5)
+        with AllocatorTracker() as steps:
+            losses = _train(ex.model, ex.loss_fn, opt, k)
+    params = state_bytes(ex.model)
+    assert params + everything.peak_bytes <= budget, (params + everything.peak_bytes, budget)
+    measured = params + steps.peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (
+        plan.predicted_peak_bytes, measured)  # fmt: skip
+    assert plan.step.optimizer.startswith("AdamW") and plan.step.accumulation_steps == k
+    assert losses == plain_losses  # checkpointing changed memory, not the training
+
+
+def test_plan_then_apply_holds_it_with_gradients_never_set_to_none():
+    plain_peak, _ = _plain("gpt2", 1, set_to_none=False)
+    budget = int(0.6 * plain_peak)
+    ex = _example("gpt2")
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    with AllocatorTracker() as everything:
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, optimizer=opt, set_to_none=False)
+        disable_cache(ex.model)  # as plan's warning says: it was planned without a KV cache
+        gradckpt.apply(ex.model, plan)
+        with AllocatorTracker() as steps:
+            _train(ex.model, ex.loss_fn, opt, 1, set_to_none=False)
+    params = state_bytes(ex.model)
+    assert params + everything.peak_bytes <= budget
+    assert plan.step.phase == "forward/backward, gradients resident"
+    measured = params + steps.peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
+
+
+def test_a_budget_above_the_plain_step_profiles_it_for_real():
+    ex = _example("gpt2")
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    whole = gradckpt.profile(ex.model, ex.loss_fn, optimizer=opt, repeats=1)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, 2 * whole.measured_peak_bytes, optimizer=opt)
+    assert plan.peak_level == "allocator" and plan.baseline_peak_bytes == whole.measured_peak_bytes
+
+
+def test_auto_reads_the_device_and_says_its_rule():
+    ex = _example("gpt2")
+    plan = gradckpt.plan(ex.model, ex.loss_fn, "auto", optimizer="adamw")
+    assert plan.step.budget_rule.startswith("MemAvailable")
+    assert plan.step.headroom > 0 and plan.budget_bytes > plan.predicted_peak_bytes
+    assert "budget from the device: MemAvailable" in plan.summary()
+
+
+def test_parameters_and_state_over_the_device_is_one_line(monkeypatch):
+    ex = _example("gpt2")
+    small = DeviceMemory("cpu", 1 << 30, 2 * state_bytes(ex.model), 0, 0, "a small device")
+    monkeypatch.setattr("gradckpt.api_budget.device_memory", lambda *a, **k: small)
+    with pytest.raises(BudgetError) as err:
+        gradckpt.fit(ex.model, ex.loss_fn, "auto", optimizer="adamw")
+    message = str(err.value)
+    assert "\n" not in message and "parameters (" in message and "optimizer state (" in message
+    assert gradckpt.applied_plan(ex.model) is None
+
+
+def test_bad_step_arguments_are_refused_before_profiling():
+    ex = _example("gpt2")
+    model = copy.deepcopy(ex.model)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        gradckpt.fit(model, ex.loss_fn, "1GiB", accumulation_steps=0)
+    with pytest.raises(TypeError, match="set_to_none"):
+        gradckpt.plan(model, ex.loss_fn, "1GiB", set_to_none="yes")
+    with pytest.raises(ValueError, match="optimizer=None"):
+        gradckpt.plan(model, ex.loss_fn, "1GiB", optimizer="lion")
+    assert gradckpt.applied_plan(model) is None
