@@ -345,12 +345,19 @@ def _hf_stage(ctx: BenchmarkRun) -> str:
     return run_hf_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
 
 
+def _whole_step_stage(ctx: BenchmarkRun) -> str:
+    from benchmarks.gpu_whole_step import run_whole_step_check
+
+    return run_whole_step_check(ctx.dry, ctx.device, _log)
+
+
 def _compiled_stage(ctx: BenchmarkRun) -> str:
     return run_compiled_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
 
 
 # In the order they run (and their notes appear).
 BENCHMARKS = (
+    Benchmark("whole-step budget", 60, "note", _whole_step_stage),
     Benchmark("frontier benchmark", 60, "frontier", _frontier_stage),
     Benchmark("offload contenders", 60, "offload", _offload_stage),
     Benchmark("hf_models benchmark", 30, "note", _hf_stage),

@@ -46,6 +46,7 @@ _WHERE = (
     ("gradckpt.apply.", "apply"),
     ("gradckpt.apply", "apply"),
     ("gradckpt.api_shapes", "api"),
+    ("gradckpt.api_budget", "api"),
     ("gradckpt.api", "api"),
     ("gradckpt.integrations.", "integrations"),
     ("gradckpt.integrations", "integrations"),

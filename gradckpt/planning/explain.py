@@ -285,11 +285,13 @@ def _peak(
         for sid, free in until.items()
         if prof.storages[sid].alloc <= where < free
     )
-    created = max(0, pred.peak_bytes - prof.param_bytes)
+    # What forward/backward made at its peak (the whole step's resident bytes apart).
+    created = max(0, pred.fwd_bwd_peak_bytes - prof.param_bytes - prof.resident_bytes)
     kept = min(kept, created - workspace)
     return PeakInfo(
-        peak_bytes=pred.peak_bytes, param_bytes=prof.param_bytes, kept_bytes=kept,
+        peak_bytes=pred.fwd_bwd_peak_bytes, param_bytes=prof.param_bytes, kept_bytes=kept,
         other_bytes=created - kept - workspace, phase="backward" if op.backward else "forward",
         unit=prof.units[op.unit].path if op.unit >= 0 else OUTSIDE, op=op.name,
-        workspace_bytes=workspace,
+        workspace_bytes=workspace, resident_bytes=prof.resident_bytes,
+        optimizer_step_bytes=pred.peak_bytes if pred.peak_bytes > pred.fwd_bwd_peak_bytes else 0,
     )  # fmt: skip

@@ -68,6 +68,12 @@ class PeakInfo:
     op: str
     #: Bytes the op's kernel allocates beyond its outputs, when they are part of the peak.
     workspace_bytes: int = 0
+    #: Held through forward and backward besides parameters: optimizer state and resident
+    #: gradients, when the profile counts the training step (0 otherwise).
+    resident_bytes: int = 0
+    #: The optimizer step's peak when it is above forward/backward's (0 otherwise); then
+    #: ``peak_bytes`` is forward/backward's and this is the whole step's.
+    optimizer_step_bytes: int = 0
 
     def describe(self) -> str:
         workspace = (
@@ -76,13 +82,25 @@ class PeakInfo:
             if self.workspace_bytes
             else ""
         )
-        return (
+        resident = (
+            f", optimizer state and resident gradients {format_bytes(self.resident_bytes)}"
+            if self.resident_bytes
+            else ""
+        )
+        text = (
             f"peak {format_bytes(self.peak_bytes)} during the {self.phase} of {self.unit} "
             f"({self.op.removeprefix('aten.')}): parameters and buffers "
-            f"{format_bytes(self.param_bytes)}, tensors kept for backward "
+            f"{format_bytes(self.param_bytes)}{resident}, tensors kept for backward "
             f"{format_bytes(self.kept_bytes)}, gradients, temporaries and recomputed "
             f"activations {format_bytes(self.other_bytes)}{workspace}"
         )
+        if self.optimizer_step_bytes:
+            return (
+                f"the optimizer step sets the whole step's peak, "
+                f"{format_bytes(self.optimizer_step_bytes)} (no plan lowers it); forward/backward's "
+                + text
+            )
+        return text
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,7 @@ class Explanation:
     def hints(self) -> list[str]:
         """Plain-language conclusions about the peak."""
         peak = self.peak
-        created = max(1, peak.peak_bytes - peak.param_bytes)
+        created = max(1, peak.peak_bytes - peak.param_bytes - peak.resident_bytes)
         out = []
         if peak.kept_bytes < 0.25 * created:
             out.append(

@@ -219,11 +219,19 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
-        f"are {format_bytes(profile.param_bytes)} and the rest (activations, gradients and "
-        f"temporaries) peaks during {_where(profile, pred.peak_position)}. Raise the budget, "
-        "or shrink the batch or sequence length.",
+        f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
+        f"(activations, gradients and temporaries) peaks during "
+        f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
+        "sequence length.",
         least_peak_bytes=pred.peak_bytes,
     )
+
+
+def _resident(profile: Profile) -> str:
+    """What the whole training step holds through forward and backward, for a message."""
+    if not profile.resident_bytes:
+        return ""
+    return f", held through the step (optimizer state, resident gradients) {format_bytes(profile.resident_bytes)}"
 
 
 def _written(nbytes: int) -> str:

@@ -52,12 +52,14 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
 def test_benchmark_table_names_functions_that_exist():
     # The GPU run is the only one that reaches these stages in full: check here,
     # without CUDA, that each stage's runner and the benchmark function it calls exist.
-    from benchmarks import frontier, gpu_check, offload_gpu
+    from benchmarks import frontier, gpu_check, gpu_whole_step, offload_gpu
 
     titles = [b.title for b in gpu_check.BENCHMARKS]
     assert titles == [
-        "frontier benchmark", "offload contenders", "hf_models benchmark", "compiled benchmark"
+        "whole-step budget", "frontier benchmark", "offload contenders", "hf_models benchmark",
+        "compiled benchmark",
     ]
+    assert callable(gpu_whole_step.run_whole_step_check)
     assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
     for bench in gpu_check.BENCHMARKS:
         assert callable(bench.run) and bench.min_seconds_left > 0
