@@ -1,4 +1,4 @@
-"""The ``gradckpt`` command: ``demo``, ``plan``, ``explain``, ``bench``.
+"""The ``gradckpt`` command: ``demo``, ``estimate``, ``plan``, ``explain``, ``bench``.
 
 Errors in the input (unknown target, bad budget, a budget below the least
 feasible peak, a missing optional extra) print one line on stderr and exit with
@@ -7,6 +7,7 @@ JSON object on stdout too. Arguments and output paths are checked before profili
 
 Example:
     $ gradckpt demo
+    $ gradckpt estimate llama-1b --optimizer adamw --budget 24GB
     $ gradckpt plan gpt2-small --budget 0.5 --fake --out plan.json
     $ gradckpt explain mypkg.train:make_model --budget 3GiB
 """
@@ -48,6 +49,39 @@ def _lengths(text: str) -> list[int]:
             f"expected positive sequence lengths separated by commas (e.g. 128,256,512), got {text!r}"
         )
     return lengths
+
+
+def _micro_batches(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(
+            f"micro-batches per optimizer step are a whole number >= 1 "
+            f"(1: no accumulation), got {text!r}"
+        )
+    return k
+
+
+def _step_flags(p: argparse.ArgumentParser, what: str) -> None:
+    from gradckpt.cli.common import OPTIMIZERS
+
+    p.add_argument(
+        "--optimizer", default="none", type=str.lower, choices=OPTIMIZERS, metavar="NAME",
+        help=f"count the optimizer's state and step in {what}, with torch's defaults: "
+        f"{', '.join(OPTIMIZERS[1:])}; predicted on fake tensors (default: none, not counted)",
+    )  # fmt: skip
+    p.add_argument(
+        "--accumulation", type=_micro_batches, default=1, metavar="K",
+        help="micro-batches per optimizer step; from the second on the gradients are "
+        "resident through forward and backward (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--zero-grads", action="store_true",
+        help="gradients are zeroed in place (zero_grad(set_to_none=False)), so resident "
+        "through every forward (default: set to None)",
+    )  # fmt: skip
 
 
 def _common(p: argparse.ArgumentParser, threads: int | None = None, why: str = "") -> None:
@@ -128,6 +162,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout")
     _common(demo, 1, "; the model is small and one thread keeps timings steady on a busy machine")
 
+    est = sub.add_parser(
+        "estimate", help="the whole training step's memory, plain and leanest: before renting a GPU",
+        description="Estimate TARGET's whole training step under fake tensors (nothing is "
+        "allocated; built-ins are built on the meta device): parameters, gradients, optimizer "
+        "state, the optimizer step's temporaries and activations, for the plain step and for "
+        "the leanest checkpointing plan, next to the parameter-count formulas; with --budget, "
+        "whether each fits and the plan for it.",
+    )  # fmt: skip
+    est.add_argument(
+        "target",
+        help="package.module:function or path/to/file.py[:function] returning (model, loss_fn), "
+        "or a built-in (see gradckpt plan --help)",
+    )  # fmt: skip
+    _step_flags(est, "the estimate")
+    est.add_argument(
+        "--budget", type=_budget, default=None,
+        help="also check this budget: bytes with units (24GB, 80GiB), a fraction of the plain "
+        "step's peak (0.5), 'least', or 'auto' (this machine's --device memory less headroom)",
+    )  # fmt: skip
+    est.add_argument(
+        "--device", default="cpu",
+        help="the device the step is estimated for, as fake tensors claim it (default: cpu)",
+    )  # fmt: skip
+    est.add_argument(
+        "--blocks", default=None,
+        help="comma-separated module paths of the repeated blocks (default: found automatically)",
+    )  # fmt: skip
+    est.add_argument("--json", action="store_true", help="print JSON only (machine-readable)")
+    _common(est)
+
     plan = sub.add_parser(
         "plan", help="plan TARGET for a memory budget; write plan.json",
         description="Profile TARGET's training step, find the least-recompute plan whose peak "
@@ -138,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--budget", type=_budget, required=True,
         help="a fraction of the plain peak (0.5, 50%%), bytes with units (800MB, 1.5GiB), "
-        "bytes, or 'least' (the least feasible peak)",
+        "bytes, 'least' (the least feasible peak) or 'auto' (--device memory less headroom)",
     )  # fmt: skip
+    _step_flags(plan, "the plan's peak (the whole training step)")
     plan.add_argument(
         "--out", default="plan.json", help="where to write the plan (default: plan.json)"
     )
@@ -245,6 +310,10 @@ def _run(args: argparse.Namespace) -> int:
             from gradckpt.cli.demo import run_demo
 
             return run_demo(args, out)
+        if args.command == "estimate":
+            from gradckpt.cli.estimate import run_estimate
+
+            return run_estimate(args, out)
         from gradckpt.cli import commands
 
         run = {"plan": commands.run_plan, "explain": commands.run_explain,

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from gradckpt.cli.common import (
     check_writable,
+    cli_words,
     describe_plan,
+    device_budget,
     jsonable_profile,
     least_peak,
     offload_from_args,
@@ -21,6 +23,7 @@ from gradckpt.cli.common import (
     plan_units_table,
     profile_target,
     target_header,
+    training_step,
     write_frontier_png,
 )
 from gradckpt.cli.extras import CliError, require
@@ -29,6 +32,7 @@ from gradckpt.cli.targets import resolve
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.explain import Explanation, format_shape
 from gradckpt.planning.planner import Planner
+from gradckpt.planning.whole_step import with_training_step
 
 __all__ = ["run_bench", "run_explain", "run_plan"]
 
@@ -70,14 +74,20 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
         check_writable(args.plot, "--plot")
         require("matplotlib", "--plot")
     offload = offload_from_args(args)  # bad flags fail before the profile
-    target, prof = _target_and_profile(args, out)
+    target, raw = _target_and_profile(args, out)
+    device = device_budget(target, args.device) if args.budget == "auto" else None
+    # The whole training step (--optimizer, --accumulation, --zero-grads); with an auto
+    # budget the breakdown shows even when nothing more is counted, as the library's does.
+    step = training_step(target, args, always=device is not None)
+    prof = with_training_step(raw, step)
     planner = Planner(prof)  # the chain and DP, built once for every question below
-    plan = plan_for(planner, args.budget, args.solver, target.name, offload)
+    budget = device.budget_bytes if device is not None else args.budget
+    plan = plan_for(planner, budget, args.solver, target.name, offload)
     least = least_peak(planner)
     explanation = planner.explain(plan=plan)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    plans = _plan_set(args, target, prof, plan)
+    plans = _plan_set(args, target, raw, plan)
     (plans if plans is not None else plan).save(path)
     plotted = None
     if args.plot:
@@ -97,9 +107,16 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
             "units": explanation.to_json()["units"], "peak": explanation.to_json()["peak"],
             "plan": plan.to_json(), "plan_path": str(path), "plot_path": plotted,
             "plan_set": plans.to_json() if plans is not None else None,
+            "step": plan.step.to_json() if plan.step is not None else None,
+            "training_step": step.to_json() if step is not None else None,
+            "auto_budget": {"budget_bytes": device.budget_bytes, "headroom_bytes":
+                            device.headroom_bytes, "rule": device.rule, "line": device.line()}
+            if device is not None else None,
         })  # fmt: skip
         return 0
     target_header(out, target, prof, fake=args.fake)
+    if device is not None:
+        out.print(f"  {device.line()}")
     out.print()
     plan_units_table(out, explanation, title=f"plan ({plan.solver}): {describe_plan(plan)}")
     out.print(
@@ -107,6 +124,14 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
         f"{format_bytes(plan.predicted_peak_bytes)} (plain {format_bytes(prof.measured_peak_bytes)}, "
         f"least feasible {format_bytes(least)}), predicted overhead {pct(plan.predicted_overhead)}"
     )
+    if plan.step is not None:
+        for line in plan.step.lines():
+            out.print(cli_words(line))
+    else:
+        out.print(
+            "  the optimizer is NOT counted: this peak is one micro-batch's forward and backward "
+            "(pass --optimizer NAME to plan the whole training step)"
+        )
     out.print(explanation.peak.describe())
     for hint in explanation.hints():
         out.print(f"note: {hint}")
@@ -132,6 +157,8 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
         return gradckpt.plan(
             target.model, target.loss_fn, plan.budget_bytes, shapes=args.shapes, profile=prof,
             solver=args.solver, blocks=_blocks(args), offload=offload_from_args(args) or False,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+            accumulation_steps=args.accumulation, set_to_none=not args.zero_grads,
         )  # fmt: skip
     except BudgetError as e:
         raise CliError(f"--shapes: {str(e).splitlines()[0]}") from e

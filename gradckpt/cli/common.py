@@ -14,14 +14,18 @@ from gradckpt.planning.explain import Explanation
 
 if TYPE_CHECKING:
     from gradckpt.cli.targets import Target
+    from gradckpt.measure.device import DeviceMemory
     from gradckpt.planning.plan import Plan
     from gradckpt.planning.planner import FrontierPoint, Planner
     from gradckpt.profiling.records import Profile
 
 __all__ = [
+    "OPTIMIZERS",
     "budget_arg",
     "check_writable",
+    "cli_words",
     "describe_plan",
+    "device_budget",
     "frontier_rows",
     "least_peak",
     "ms",
@@ -29,12 +33,18 @@ __all__ = [
     "plan_for",
     "plan_units_table",
     "profile_target",
+    "training_step",
     "write_frontier_png",
 ]
 
+#: ``--optimizer`` choices: "none" (not counted) and the names
+#: :func:`gradckpt.measure.optimizer_memory` knows (torch's defaults).
+OPTIMIZERS = ("none", "sgd", "adam", "adamw", "adagrad", "rmsprop", "adafactor")
+
 
 def budget_arg(text: str) -> int | float | str:
-    """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes.
+    """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes,
+    'auto' (alias 'device') the device's memory less headroom, resolved by :func:`device_budget`.
 
     Read by the library's one budget parser (:func:`gradckpt.planning.budget.read_budget`);
     the command line adds 'least' (the least feasible peak).
@@ -42,6 +52,8 @@ def budget_arg(text: str) -> int | float | str:
     Example:
         >>> budget_arg("50%"), budget_arg("0.25"), budget_arg("1.5GiB"), budget_arg("4096")
         (0.5, 0.25, '1.5GiB', 4096)
+        >>> budget_arg("Device")
+        'auto'
     """
     from gradckpt.planning.budget import read_budget
 
@@ -54,6 +66,8 @@ def budget_arg(text: str) -> int | float | str:
         raise CliError(f"{e} On the command line, 'least' is the least feasible peak.") from None
     if kind == "fraction":
         return value
+    if kind == "device":
+        return "auto"
     return int(raw) if raw.isdigit() else raw
 
 
@@ -156,11 +170,16 @@ def plan_for(
 ) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
     from gradckpt.planning.budget import BudgetError
+    from gradckpt.planning.whole_step import check_floor
 
     prof = planner.profile
     nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
     if offload is not None and solver != "dp":
         raise CliError("--offload works with --solver dp (the baselines only recompute)")
+    try:  # what no plan lowers (parameters, optimizer state, its step), in its own words
+        check_floor(prof, nbytes)
+    except BudgetError as e:
+        raise CliError(f"{name}: {e}") from e
     try:
         return planner.plan(nbytes, solver, offload=offload)
     except BudgetError as e:
@@ -173,6 +192,59 @@ def plan_for(
         ) from e
     except ValueError as e:
         raise CliError(str(e)) from e
+
+
+# --------------------------------------------------------------------------- the training step
+
+
+def training_step(target: Target, args: Any, *, always: bool = False) -> Any:
+    """``--optimizer``, ``--accumulation``, ``--zero-grads`` as a TrainingStep.
+
+    None when nothing beyond one micro-batch is counted (unless ``always``: the
+    breakdown then still shows, saying the optimizer is not counted). The
+    optimizer's memory is predicted on fake tensors on ``--device``.
+    """
+    from gradckpt.measure.optimizer import OptimizerMemoryError, optimizer_memory
+    from gradckpt.profiling.training_step import TrainingStep
+
+    name = getattr(args, "optimizer", "none")
+    k, to_none = getattr(args, "accumulation", 1), not getattr(args, "zero_grads", False)
+    if name == "none" and k == 1 and to_none and not always:
+        return None
+    memory = None
+    if name != "none":
+        try:
+            memory = optimizer_memory(target.model, name, device=args.device)
+        except OptimizerMemoryError as e:
+            text = str(e).replace("pass optimizer=None to plan", "use --optimizer none to plan")
+            raise CliError(f"--optimizer {name}: {text}") from e
+    return TrainingStep(memory, k, to_none)
+
+
+def cli_words(line: str) -> str:
+    """A library line about ``optimizer=`` in the command line's words."""
+    return line.replace("pass optimizer=", "pass --optimizer NAME")
+
+
+def device_budget(target: Target, device: str) -> DeviceMemory:
+    """``--budget auto``: the memory of ``device`` less headroom (a CliError where unknown).
+
+    Counted as held (on CPU): the target's real parameters and buffers on that
+    device (built-ins under --fake are on meta and hold nothing).
+    """
+    import torch
+
+    from gradckpt.measure.device import device_memory
+
+    try:
+        where = torch.device(device)
+        seen: dict[int, int] = {}
+        for t in [*target.model.parameters(), *target.model.buffers()]:
+            if t.device == where and not t.is_meta:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return device_memory(where, held_bytes=sum(seen.values()))
+    except (ValueError, RuntimeError) as e:
+        raise CliError(f"--budget auto: {e}") from e
 
 
 def describe_plan(plan: Plan) -> str:

@@ -12,7 +12,7 @@ from .conftest import assert_ok, gradckpt_cli
 def test_top_level_help_lists_the_commands():
     proc = gradckpt_cli("--help")
     assert_ok(proc)
-    for command in ("demo", "plan", "explain", "bench"):
+    for command in ("demo", "estimate", "plan", "explain", "bench"):
         assert command in proc.stdout
     assert proc.stderr == ""
 
@@ -21,7 +21,9 @@ def test_top_level_help_lists_the_commands():
     ("command", "flags"),
     [
         ("demo", ["--budget", "--steps", "--out"]),
+        ("estimate", ["--optimizer", "--accumulation", "--zero-grads", "--budget", "--json"]),
         ("plan", ["--budget", "--out", "--plot", "--fake", "--blocks", "--json"]),
+        ("plan", ["--optimizer", "--accumulation", "--zero-grads"]),
         ("explain", ["--budget", "--plan", "--json", "--fake"]),
         ("bench", ["--quick", "--out", "--only"]),
     ],
