@@ -1,81 +1,126 @@
-"""Plan on the first real training batch: the piece the trainer callbacks share.
+"""Plan the trainer's whole step on its first batch, then measure steps that ran under the plan.
 
 Trainers (Hugging Face ``Trainer``, Lightning) own the loop: the user never
-writes a ``loss_fn``. Their callbacks see the first batch as the loop feeds it
-(after the collator, on the device) and hand this module a zero-argument loss
-built from it. :func:`fit_on_batch` plans and applies, then measures one step
-of the planned model (leaving gradients, buffers and RNG as it found them, so
-the real step that follows is the step a plain run takes) and returns a
-:class:`BudgetReport`: the plan summary and predicted against measured peak.
+writes a ``loss_fn``. Their callbacks build one from what the trainer runs on
+its first batch (``Trainer.compute_loss``, ``LightningModule.training_step``:
+reference models and several model calls included) and hand it to
+:func:`fit_on_batch`, with the trainer's optimizer and accumulation steps, so
+the plan holds the whole training step (:func:`gradckpt.fit`). Planning never
+runs the plain step above a budget in bytes (``fit`` profiles it under fake
+tensors and checks plans that fit), and leaves the model as it found it.
+
+The :class:`BudgetReport` says what was predicted; it says *measured* only of
+real training steps that ran under the plan: :class:`StepsMeasurement` holds an
+:class:`~gradckpt.measure.AllocatorTracker` open over the trainer's first
+optimizer steps after planning (forward, backward and ``optimizer.step()``;
+the second step with the optimizer's state resident).
 
 Nothing here imports a trainer library.
 
 Example:
-    >>> report = fit_on_batch(model, lambda: model(**batch).loss, budget=0.6)
-    >>> print(report.line())
+    >>> plan, report = fit_on_batch(model, lambda: model(**batch).loss, "2GiB", optimizer=opt)
+    >>> measuring = StepsMeasurement(model, opt); measuring.start()
+    >>> ...  # two optimizer steps of the trainer
+    >>> report = report.measured(measuring.finish(), steps=2)
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradckpt.api import fit, profile
-from gradckpt.measure.memory import MemoryTracker, format_bytes
-from gradckpt.planning.budget import parse_budget
+from gradckpt.api import fit
+from gradckpt.measure.allocator import AllocatorTracker, foreign_profiler_running
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.budget import BudgetError, check_budget, read_budget
 from gradckpt.planning.plan import Plan
 
 __all__ = [
+    "MEASURED_STEPS",
     "BudgetReport",
     "FirstBatchBudget",
+    "StepsMeasurement",
     "checked_callback_options",
     "fit_on_batch",
+    "held_bytes",
     "logger",
     "loss_of",
+    "torch_optimizer",
 ]
 
 logger = logging.getLogger("gradckpt")
 
+#: Optimizer steps under the plan that the callbacks measure (the second one runs
+#: with the optimizer's state resident).
+MEASURED_STEPS = 2
+
 
 @dataclass(frozen=True)
 class BudgetReport:
-    """What a trainer callback planned on the first batch, and what the planned step measured.
+    """What a trainer callback planned on the first batch, and what steps under the plan measured.
 
-    ``measured_peak_bytes`` is the live-storage peak (parameters and buffers plus
-    what the step created) of one forward+backward of the planned model on that
-    batch, the quantity ``predicted_peak_bytes`` predicts.
+    All figures are whole training steps of the process: parameters and buffers,
+    gradients, optimizer state and step temporaries, activations, plus
+    ``other_bytes`` (modules the trainer holds besides the planned model, e.g. a
+    DPO reference model, resident through the step but not planned).
+
+    ``measured_peak_bytes`` is None until measured: the allocator's high-water
+    over the first ``measured_steps`` optimizer steps that ran under the plan
+    (:class:`StepsMeasurement`): on CUDA ``max_memory_allocated``; on CPU the
+    peak above the level when they began plus what was resident then
+    (parameters, buffers, gradients and optimizer state, ``other_bytes``).
     """
 
     budget_bytes: int
     predicted_peak_bytes: int
-    measured_peak_bytes: int
+    measured_peak_bytes: int | None
     baseline_peak_bytes: int
     predicted_overhead: float
     summary: str
+    #: The phase of the step that sets the predicted peak ("" when the plan holds
+    #: one micro-batch's forward and backward only).
+    phase: str = ""
+    #: Optimizer steps the measurement covered (0: not measured).
+    measured_steps: int = 0
+    other_bytes: int = 0
 
     @property
-    def within_budget(self) -> bool:
-        """Whether the measured peak stayed within the budget."""
+    def within_budget(self) -> bool | None:
+        """Whether the measured whole-step peak stayed within the budget (None: not measured yet)."""
+        if self.measured_peak_bytes is None:
+            return None
         return self.measured_peak_bytes <= self.budget_bytes
+
+    def measured(self, peak_bytes: int, steps: int) -> BudgetReport:
+        """This report with the measured high-water of ``steps`` optimizer steps."""
+        return replace(self, measured_peak_bytes=int(peak_bytes), measured_steps=int(steps))
 
     def line(self) -> str:
         """One line for a training log.
 
         Example:
             >>> report.line()
-            'gradckpt: budget 1.20 MiB; peak predicted 1.18 MiB, measured 1.18 MiB ...'
+            'gradckpt: budget 30.00 MiB; whole-step peak predicted 29.10 MiB (set by the optimizer step), measured 29.12 MiB over 2 steps; plain 48.20 MiB; ...'
         """
+        phase = f" (set by the {self.phase})" if self.phase else ""
+        if self.measured_peak_bytes is None:
+            measured = "not measured yet"
+        else:
+            steps = "step" if self.measured_steps == 1 else "steps"
+            measured = (
+                f"measured {format_bytes(self.measured_peak_bytes)} over "
+                f"{self.measured_steps} {steps} under the plan"
+            )
         return (
-            f"gradckpt: budget {format_bytes(self.budget_bytes)}; peak predicted "
-            f"{format_bytes(self.predicted_peak_bytes)}, measured "
-            f"{format_bytes(self.measured_peak_bytes)} (plain "
-            f"{format_bytes(self.baseline_peak_bytes)}); predicted recompute overhead "
+            f"gradckpt: budget {format_bytes(self.budget_bytes)}; whole-step peak predicted "
+            f"{format_bytes(self.predicted_peak_bytes)}{phase}, {measured}; plain "
+            f"{format_bytes(self.baseline_peak_bytes)}; predicted recompute overhead "
             f"{self.predicted_overhead:+.1%}"
         )
 
@@ -116,9 +161,9 @@ def checked_callback_options(
     Returns the loss extractor to use (:func:`loss_of` when ``loss_from`` is None).
 
     Example:
-        >>> self.loss_from = checked_callback_options("2GiB", None)
+        >>> self.loss_from = checked_callback_options("auto", None)
     """
-    parse_budget(budget, 1)
+    check_budget(budget)
     if loss_from is not None and not callable(loss_from):
         raise TypeError(f"loss_from must be callable, got {type(loss_from).__name__}")
     return loss_from or loss_of
@@ -134,11 +179,14 @@ class FirstBatchBudget:
     ``plan`` and ``report``.
 
     Args:
-        budget: bytes (int), a string with units ("3GiB") or a fraction in (0, 1]
-            of the plain step's peak, as for :func:`gradckpt.fit`.
+        budget: bytes (int), a string with units ("3GiB"), ``"auto"`` (the device's
+            memory) or a fraction in (0, 1] of the plain step's peak, as for
+            :func:`gradckpt.fit`.
         loss_from: how to get the loss from the step's output; default
             :func:`loss_of`.
-        **plan_options: passed to :func:`fit_on_batch`.
+        **plan_options: passed to :func:`gradckpt.fit`; they override what the
+            callback passes itself (``optimizer``, ``accumulation_steps``,
+            ``set_to_none``): ``optimizer=None`` plans without counting it.
 
     Example:
         >>> class BudgetCallback(FirstBatchBudget, TrainerCallback): ...
@@ -161,87 +209,214 @@ class FirstBatchBudget:
         self.report: BudgetReport | None = None
 
 
-@contextmanager
-def _step_left_as_found(model: nn.Module) -> Iterator[None]:
-    """Run a step whose gradients, buffer updates and RNG draws are all undone afterwards."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    for p in params:
-        p.grad = None
-    try:
-        with torch.random.fork_rng(devices=_cuda_devices(model)):
-            yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for p, g in zip(params, grads):
-            p.grad = g
-
-
-def _cuda_devices(model: nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-
-
-def measure_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> MemoryTracker:
-    """One ``loss_fn().backward()`` under a :class:`MemoryTracker`; the model is left as found.
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a trainer's wrapper (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``), or None.
 
     Example:
-        >>> measure_step(model, loss_fn).peak_bytes
+        >>> torch_optimizer(trainer.optimizer)  # AcceleratedOptimizer -> torch.optim.AdamW
     """
-    with _step_left_as_found(model), MemoryTracker(model) as tracker:
-        loss_fn().backward()
-    return tracker
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)  # LightningOptimizer
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+            continue
+        break
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def _storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", None)  # a DTensor holds its local shard
+        t = local if local is not None else t
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        sizes[storage._cdata] = storage.nbytes()
+    return sizes
+
+
+def _module_tensors(modules: Iterable[nn.Module]) -> Iterable[torch.Tensor]:
+    for module in modules:
+        yield from module.parameters()
+        yield from module.buffers()
+
+
+def held_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    others: Iterable[nn.Module] = (),
+) -> int:
+    """Bytes resident now that a training step holds throughout: the parameters, buffers and
+    gradients of ``model`` and ``others``, and ``optimizer``'s state (each storage once).
+
+    Example:
+        >>> held_bytes(model, opt)  # after a step: params + grads + AdamW's two moments
+    """
+    modules = [model, *others]
+    tensors: list[torch.Tensor] = list(_module_tensors(modules))
+    tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(_storage_sizes(tensors).values())
+
+
+def _other_bytes(model: nn.Module, others: Iterable[nn.Module]) -> int:
+    """Parameter and buffer bytes of ``others`` that are not ``model``'s."""
+    own = _storage_sizes(_module_tensors([model]))
+    theirs = _storage_sizes(_module_tensors(others))
+    return sum(n for key, n in theirs.items() if key not in own)
 
 
 def fit_on_batch(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
     budget: int | float | str,
+    *,
+    others: Iterable[nn.Module] = (),
     **plan_options: Any,
 ) -> tuple[Plan, BudgetReport]:
-    """``gradckpt.fit`` on this batch, then one measured step of the planned model.
+    """``gradckpt.fit`` on the trainer's step on this batch; nothing more is run.
 
     Args:
-        model: the module the trainer trains.
-        loss_fn: zero-argument callable: the trainer's forward on the first batch.
-        budget: as for :func:`gradckpt.fit`.
-        **plan_options: passed to :func:`gradckpt.fit` (``blocks``, ``solver``,
-            ``measure_candidates``, ...). When ``loss_fn`` never calls ``model``'s own
-            forward, ``segments`` defaults to False (segments open only inside it).
+        model: the module the trainer trains (planned and applied).
+        loss_fn: zero-argument callable: the trainer's step on the first batch
+            (its loss), e.g. ``Trainer.compute_loss`` with a reference model.
+        budget: as for :func:`gradckpt.fit`, for the whole process's step.
+        others: modules the step also holds (a reference model): their parameters
+            and buffers are resident but not planned; a budget in bytes is lowered
+            by them before planning, and every figure of the report includes them.
+        **plan_options: passed to :func:`gradckpt.fit` (``optimizer``,
+            ``accumulation_steps``, ``blocks``, ``solver``, ...).
 
     Returns:
-        The applied plan and its :class:`BudgetReport` (also logged at INFO on the
-        ``"gradckpt"`` logger).
+        The applied plan and its :class:`BudgetReport`, not measured yet (also
+        logged at INFO on the ``"gradckpt"`` logger).
+
+    Raises:
+        BudgetError: nothing fits (the model is left plain).
 
     Example:
-        >>> plan, report = fit_on_batch(model, lambda: model(**batch).loss, "2GiB")
+        >>> plan, report = fit_on_batch(model, lambda: model(**batch).loss, "2GiB", optimizer=opt)
     """
-    options = dict(plan_options)
-    if options.get("profile") is None:
-        # A trainer's step need not call the module's own forward (Lightning's
-        # training_step often calls a submodule); a plan's multi-unit segments
-        # open only inside that forward, so without it plan unit by unit.
-        calls: list[None] = []
-        hook = model.register_forward_pre_hook(lambda module, args: calls.append(None))
-        try:
-            options["profile"] = profile(
-                model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
+    others = [m for m in others if m is not model]
+    other = _other_bytes(model, others)
+    kind, value = read_budget(budget)
+    planned_budget = budget
+    if other and kind == "bytes":
+        planned_budget = int(value) - other
+        if planned_budget <= 0:
+            raise BudgetError(
+                f"the modules the step holds besides the model ({format_bytes(other)}: "
+                f"{', '.join(type(m).__name__ for m in others)}) alone exceed the budget of "
+                f"{format_bytes(int(value))}",
+                least_peak_bytes=other,
             )
-        finally:
-            hook.remove()
-        if not calls:
-            options.setdefault("segments", False)
-    plan = fit(model, loss_fn, budget, **options)
-    measured = measure_step(model, loss_fn)
+    plan = fit(model, loss_fn, planned_budget, **plan_options)
     report = BudgetReport(
-        budget_bytes=int(plan.budget_bytes or plan.baseline_peak_bytes),
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        measured_peak_bytes=measured.peak_bytes,
-        baseline_peak_bytes=plan.baseline_peak_bytes,
+        budget_bytes=int(plan.budget_bytes or plan.baseline_peak_bytes) + other,
+        predicted_peak_bytes=plan.predicted_peak_bytes + other,
+        measured_peak_bytes=None,
+        baseline_peak_bytes=plan.baseline_peak_bytes + other,
         predicted_overhead=plan.predicted_overhead,
         summary=plan.summary(),
+        phase=plan.step.phase if plan.step is not None else "",
+        other_bytes=other,
     )
     logger.info("%s\n%s", report.line(), report.summary)
     return plan, report
+
+
+#: Measurements open now; one left open by a trainer that raised is closed by the next
+#: one that starts, or at exit (on CPU a session holds the profiler and fd 2).
+_OPEN: list[StepsMeasurement] = []
+
+
+class StepsMeasurement:
+    """The allocator's high-water over whole training steps, from :meth:`start` to :meth:`finish`.
+
+    An :class:`~gradckpt.measure.AllocatorTracker` on the model's device, held
+    open across the trainer's loop (forward, backward, ``optimizer.step()``,
+    ``zero_grad``). The figure is its peak above entry plus the level at entry:
+    on CUDA ``memory_allocated`` (so ``max_memory_allocated`` over the steps), on
+    CPU :func:`held_bytes`. On CPU the tracker runs torch's profiler with memory events only,
+    nesting with gradckpt's own sessions (a tracker around the whole training
+    sees through it); while it is open another ``torch.profiler`` cannot start,
+    and what is written to the process's stderr is held until it ends. A
+    foreign profiler already running means no measurement (``start`` returns
+    False).
+
+    Example:
+        >>> m = StepsMeasurement(model, optimizer)
+        >>> m.start(); train_two_steps(); m.finish()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        others: Iterable[nn.Module] = (),
+    ) -> None:
+        self.model, self.optimizer, self.others = model, optimizer, list(others)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._tracker: AllocatorTracker | None = None
+        self._entry = 0
+
+    @property
+    def active(self) -> bool:
+        return self._tracker is not None
+
+    def start(self) -> bool:
+        """Begin measuring; False (and a log line) when it cannot."""
+        for stale in list(_OPEN):
+            stale.abort()
+        if self.device.type not in ("cpu", "cuda"):
+            logger.info("gradckpt: steps on %s are not measured (cpu and cuda only)", self.device)
+            return False
+        if self.device.type == "cpu" and foreign_profiler_running():
+            logger.info("gradckpt: another profiler is running: the steps under the plan are "
+                        "not measured")  # fmt: skip
+            return False
+        if self.device.type == "cuda":  # the allocator's own level: everything on the device
+            self._entry = torch.cuda.memory_allocated(self.device)
+        else:  # the CPU allocator reports no level: what the step holds, counted
+            self._entry = held_bytes(self.model, self.optimizer, self.others)
+        tracker = AllocatorTracker(self.device)
+        tracker.__enter__()
+        self._tracker = tracker
+        _OPEN.append(self)
+        return True
+
+    def finish(self) -> int | None:
+        """Stop; the whole-step high-water in bytes (None: not measuring)."""
+        tracker = self._close(None)
+        return None if tracker is None else self._entry + tracker.peak_bytes
+
+    def abort(self) -> None:
+        """Stop without a result (the trainer raised)."""
+        self._close(RuntimeError("aborted"))
+
+    def _close(self, exc: BaseException | None) -> AllocatorTracker | None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        if self in _OPEN:
+            _OPEN.remove(self)
+        if exc is None:
+            tracker.__exit__(None, None, None)
+        else:
+            tracker.__exit__(type(exc), exc, None)
+        return tracker
+
+
+@atexit.register
+def _close_open_measurements() -> None:  # pragma: no cover - runs at interpreter exit
+    for measurement in list(_OPEN):
+        measurement.abort()

@@ -3,10 +3,18 @@
 The callback's ``on_train_batch_start`` receives the first batch as the loop
 feeds it (on the device). It plans with ``training_step(batch, batch_idx)`` as
 the loss (under the trainer's precision context, so ``precision="bf16-mixed"``
-is planned as it trains), applies the plan and logs the plan summary and
-predicted against measured peak. Planning leaves the module as it found it
-(gradients, buffers, RNG) and ``self.log`` calls made while planning are
+is planned as it trains), for the whole training step: the trainer's first
+optimizer and ``accumulate_grad_batches`` are passed to :func:`gradckpt.fit`,
+with ``set_to_none=False`` (Lightning clears gradients after ``training_step``'s
+forward, so the previous step's gradients are resident through it). Planning
+never runs the plain step above a budget in bytes, leaves the module as it found
+it (gradients, buffers, RNG), and ``self.log`` calls made while planning are
 dropped, so the losses and the logged metrics are those of a plain run.
+
+The report's measured peak comes from the trainer's own steps under the plan:
+the allocator's high-water from the first batch (after planning) to the end of
+the batch that completes the second optimizer step. Until then
+``report.measured_peak_bytes`` is None.
 
 Requires automatic optimization: a ``training_step`` that calls
 ``manual_backward`` and steps optimizers itself cannot be replayed as a loss.
@@ -34,7 +42,14 @@ try:
 except ImportError:  # the standalone package of Lightning < 2
     from pytorch_lightning import Callback
 
-from gradckpt.integrations.first_batch import FirstBatchBudget, fit_on_batch
+from gradckpt.integrations.first_batch import (
+    MEASURED_STEPS,
+    FirstBatchBudget,
+    StepsMeasurement,
+    fit_on_batch,
+    logger,
+    torch_optimizer,
+)
 
 __all__ = ["BudgetCallback"]
 
@@ -55,25 +70,34 @@ def _logging_dropped(module: nn.Module) -> Iterator[None]:
 
 
 class BudgetCallback(FirstBatchBudget, Callback):
-    """Plan and apply gradckpt on the LightningModule's first training batch.
+    """Plan and apply gradckpt on the LightningModule's first training batch, then measure.
 
     Args:
-        budget: bytes (int), a string with units ("3GiB") or a fraction in (0, 1]
-            of the plain step's peak, as for :func:`gradckpt.fit`.
+        budget: bytes (int), a string with units ("3GiB"), ``"auto"`` (the device's
+            memory) or a fraction in (0, 1] of the plain step's peak, as for
+            :func:`gradckpt.fit`; for the whole training step.
         loss_from: how to get the loss from ``training_step``'s return value;
             default: the tensor itself or its ``"loss"`` entry.
-        **plan_options: passed to :func:`gradckpt.plan` (``blocks``, ``solver``, ...).
+        **plan_options: passed to :func:`gradckpt.fit` (``blocks``, ``solver``, ...),
+            over what the callback passes itself: the trainer's first optimizer,
+            ``accumulation_steps`` and ``set_to_none=False`` (``optimizer=None``
+            turns counting the optimizer off).
 
     After the first batch: ``callback.plan`` and ``callback.report``
-    (:class:`BudgetReport`); the numbers are logged on the ``"gradckpt"`` logger
-    and sent to the trainer's loggers as ``gradckpt/*`` metrics.
+    (:class:`BudgetReport`), measured after the second optimizer step; the numbers
+    are logged on the ``"gradckpt"`` logger and sent to the trainer's loggers as
+    ``gradckpt/*`` metrics.
 
     Example:
-        >>> callback = BudgetCallback(0.5)
+        >>> callback = BudgetCallback("2GiB")
         >>> L.Trainer(max_steps=10, callbacks=[callback]).fit(module, loader)
         >>> callback.report.within_budget
         True
     """
+
+    # Until the first batch: not measuring.
+    _measuring: StepsMeasurement | None = None
+    _first_step = 0
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int
@@ -92,18 +116,61 @@ class BudgetCallback(FirstBatchBudget, Callback):
             with precision.train_step_context():
                 return self.loss_from(pl_module.training_step(batch, batch_idx))
 
+        optimizers = list(getattr(trainer, "optimizers", None) or ())
+        optimizer = torch_optimizer(optimizers[0]) if optimizers else None
+        options = {
+            "optimizer": optimizer,
+            "accumulation_steps": int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+            # Lightning zeroes gradients after training_step's forward, before backward.
+            "set_to_none": False,
+            **self.plan_options,
+        }
         with _logging_dropped(pl_module):
-            self.plan, self.report = fit_on_batch(
-                pl_module, loss_fn, self.budget, **self.plan_options
-            )
+            self.plan, self.report = fit_on_batch(pl_module, loss_fn, self.budget, **options)
+        self._log(trainer, planned=True)
+        measuring = StepsMeasurement(pl_module, optimizer)
+        self._first_step = trainer.global_step
+        if measuring.start():
+            self._measuring = measuring
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measuring is not None and trainer.global_step - self._first_step >= MEASURED_STEPS:
+            self._finish_measuring(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self._measuring is not None:  # training ended before the second step
+            self._finish_measuring(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        measuring, self._measuring = self._measuring, None
+        if measuring is not None:
+            measuring.abort()
+
+    def _finish_measuring(self, trainer: Any) -> None:
+        measuring, self._measuring = self._measuring, None
+        peak = measuring.finish() if measuring is not None else None
+        if peak is None or self.report is None:
+            return
+        steps = min(MEASURED_STEPS, trainer.global_step - self._first_step)
+        self.report = self.report.measured(peak, steps)
+        logger.info("%s", self.report.line())
+        self._log(trainer, planned=False)
+
+    def _log(self, trainer: Any, *, planned: bool) -> None:
         r = self.report
-        for logger in trainer.loggers:
-            logger.log_metrics(
-                {
-                    "gradckpt/budget_bytes": r.budget_bytes,
-                    "gradckpt/predicted_peak_bytes": r.predicted_peak_bytes,
-                    "gradckpt/measured_peak_bytes": r.measured_peak_bytes,
-                    "gradckpt/baseline_peak_bytes": r.baseline_peak_bytes,
-                },
-                step=trainer.global_step,
-            )
+        assert r is not None
+        if planned:
+            metrics = {
+                "gradckpt/budget_bytes": r.budget_bytes,
+                "gradckpt/predicted_peak_bytes": r.predicted_peak_bytes,
+                "gradckpt/baseline_peak_bytes": r.baseline_peak_bytes,
+            }
+        else:
+            metrics = {
+                "gradckpt/measured_peak_bytes": r.measured_peak_bytes,
+                "gradckpt/measured_steps": r.measured_steps,
+            }
+        for logger_ in trainer.loggers:
+            logger_.log_metrics(metrics, step=trainer.global_step)

@@ -86,11 +86,13 @@ def test_losses_and_weights_identical_to_a_plain_run(precision, caplog):
     assert gradckpt.applied_plan(planned) is callback.plan
     report = callback.report
     assert report.measured_peak_bytes <= report.budget_bytes < report.baseline_peak_bytes
-    # The simulator predicts the measured peak (within 2%; plans vary with op timings).
-    assert (
-        abs(report.measured_peak_bytes - report.predicted_peak_bytes)
-        <= 0.02 * report.predicted_peak_bytes
-    )
+    assert report.measured_steps == 2 and report.within_budget
+    # Measured over the trainer's steps under the plan (optimizer step included). Lightning
+    # zeroes gradients after training_step's forward, so they are planned as resident
+    # throughout (set_to_none=False): the prediction bounds the steps, by at most their bytes.
+    grads = sum(p.numel() * p.element_size() for p in planned.parameters())
+    assert report.measured_peak_bytes <= report.predicted_peak_bytes
+    assert report.predicted_peak_bytes <= report.measured_peak_bytes + grads
     assert report.line() in caplog.text
 
 
