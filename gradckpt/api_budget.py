@@ -153,7 +153,9 @@ def budget_profile(
     if kind != "bytes":
         return real(), None
     try:
-        raw = profile_step(model, loss_fn, blocks=blocks, fake=True)
+        # A step that reads a value (a logged loss.item()) gets placeholders: the plan
+        # made from it is checked on real steps (gradckpt.apply.frugal).
+        raw = profile_step(model, loss_fn, blocks=blocks, fake=True, answer_scalars=True)
     except Exception as exc:  # a model that cannot run under fake tensors
         warnings.warn(
             f"gradckpt: could not profile {type(model).__name__} under fake tensors "

@@ -122,6 +122,8 @@ def _checked(
     solver: object,
 ) -> Plan:  # fmt: skip
     leanest, _ = planner.least_peak()
+    candidates = candidate_plans(planner, chosen, count)
+    planner.release()  # its DP tables are CPU memory: not held while steps run
     _, missed = runner.run(leanest, measure=True)
     missed = max(0, missed or 0)
     if _whole(planner, leanest, missed) > budget:
@@ -134,9 +136,9 @@ def _checked(
     for _ in range(TRIES):
         if _whole(planner, chosen, missed) <= budget:
             break
-        chosen = planner.plan(budget - missed, solver)  # type: ignore[arg-type]
-        chosen = _with_budget(chosen, budget)
-    candidates = [c for c in candidate_plans(planner, chosen, count) if c is not None]
+        chosen = _with_budget(planner.plan(budget - missed, solver), budget)  # type: ignore[arg-type]
+        candidates = candidate_plans(planner, chosen, count)
+        planner.release()
     times: list[list[float]] = [[] for _ in candidates]
     over: set[int] = set()
     for r in range(rounds):
@@ -153,7 +155,7 @@ def _checked(
             times[i].append(seconds)
     kept = [i for i in range(len(candidates)) if i not in over and times[i]]
     if not kept:
-        return _measured(planner, chosen, budget, missed)
+        return _measured(planner, leanest, budget, missed)
     first = statistics.median(times[kept[0]])
     ratios = [[t / first for t in times[i]] for i in kept]
     return _measured(planner, candidates[kept[pick_fastest(ratios)]], budget, missed)

@@ -33,7 +33,7 @@ from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import MemoryTracker
 from gradckpt.measure.storages import storage_key
 
-__all__ = ["OptimizerMemory", "OptimizerMemoryError", "optimizer_memory"]
+__all__ = ["OptimizerMemory", "OptimizerMemoryError", "fresh_optimizer", "optimizer_memory"]
 
 _NAMES = {n.lower(): n for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adafactor")}
 _WAY_OUT = "pass optimizer=None to plan without counting the optimizer"
@@ -386,3 +386,18 @@ def optimizer_memory(
             "has no real parameters to measure it on"
         )
     return _measure(spec, target, reason)
+
+
+def fresh_optimizer(model: nn.Module | None, optimizer: Any, **overrides: Any) -> Optimizer:
+    """A new optimizer of ``optimizer``'s class, groups and defaults over the real parameters.
+
+    ``overrides`` replace a hyperparameter in every group (``lr=0.0``: a step that
+    leaves the parameters as they are, to time it). The live optimizer is not touched.
+
+    Example:
+        >>> timing = fresh_optimizer(model, opt, lr=0.0, weight_decay=0.0)
+    """
+    spec = _copied(_resolve(model, optimizer))
+    for _, hyper in spec.groups:
+        hyper.update({k: v for k, v in overrides.items() if k in hyper or k == "lr"})
+    return _build(spec, [list(ps) for ps, _ in spec.groups])[0]

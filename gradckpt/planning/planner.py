@@ -89,6 +89,18 @@ class Planner:
         """The dynamic program over :attr:`chain`, built on first use."""
         return ChainDP(self.chain.chain)
 
+    def release(self) -> None:
+        """Drop the chain and the DP tables (rebuilt on next use).
+
+        The DP's tables are CPU tensors: on a CPU step they share the memory the
+        budget is about, so they are let go before real steps run.
+
+        Example:
+            >>> planner.release()
+        """
+        self.__dict__.pop("chain", None)
+        self.__dict__.pop("dp", None)
+
     def budget_bytes(self, budget: int | float | str) -> int:
         """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
         return parse_budget(budget, self.profile.measured_peak_bytes)

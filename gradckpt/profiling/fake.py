@@ -15,12 +15,18 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.profiling.records import Profile
 
 __all__ = [
     "SPEEDS",
+    "AnsweredScalars",
     "DeviceSpeed",
     "check_fake_device",
     "estimate_time",
@@ -90,6 +96,62 @@ def fake_model(
     finally:
         for table, name, original in reversed(swapped):
             table[name] = original
+
+
+class AnsweredScalars(TorchDispatchMode):
+    """Answer what fake tensors cannot know: ``.item()`` and ``nonzero``, and count them.
+
+    A fake tensor has no value, so a step that reads one (a metric logged with
+    ``loss.item()``, TRL's DPO statistics, boolean-mask indexing) cannot run
+    under fake tensors at all. Entered inside the fake mode this answers
+    instead: a scalar read with a placeholder (1, 1.0, True), ``nonzero`` as if
+    every element were nonzero (the largest output, so what follows is counted
+    at its most). What the step *allocates* is otherwise the same unless its
+    control flow depends on the values: the callers that use it check plans on
+    real steps (:mod:`gradckpt.apply.frugal`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **(kwargs or {}))
+            except DataDependentOutputException:
+                self.answered += 1
+                dtype = args[0].dtype
+                return 1.0 if dtype.is_floating_point else True if dtype == torch.bool else 1
+        if func in _INDEXING and any(_is_mask(i) for i in args[1]):
+            # A boolean mask index is a nonzero inside the fake kernel: as every-true here.
+            self.answered += 1
+            indices = [w for i in args[1] for w in (_as_positions(i) if _is_mask(i) else [i])]
+            return func(args[0], indices, *args[2:], **(kwargs or {}))
+        if func is torch.ops.aten.nonzero.default:
+            try:
+                return func(*args, **(kwargs or {}))
+            except DynamicOutputShapeException:
+                self.answered += 1
+                x = args[0]
+                return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        return func(*args, **(kwargs or {}))
+
+
+_INDEXING = (
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+)
+
+
+def _is_mask(index: object) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _as_positions(mask: torch.Tensor) -> list[torch.Tensor]:
+    """The index tensors of ``mask`` were every element true (one per masked dimension)."""
+    return [torch.zeros(mask.numel(), dtype=torch.long, device=mask.device)] * mask.dim()
 
 
 def check_fake_device(device: torch.device) -> None:

@@ -27,6 +27,7 @@ buffers of modules outside the model it calls.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from gradckpt.profiling import adapters
 from gradckpt.profiling.assemble import assemble, device_of
 from gradckpt.profiling.fake import (
+    AnsweredScalars,
     check_fake_device,
     fake_device_of,
     fake_model,
@@ -59,6 +61,7 @@ def profile(
     repeats: int = 3,
     fake: bool = False,
     device: str | torch.device | None = None,
+    answer_scalars: bool = False,
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
@@ -81,6 +84,10 @@ def profile(
             estimated from FLOPs and bytes.
         device: with ``fake``, the device the fake tensors claim to be on (default:
             where the parameters are; "cpu" for a meta model).
+        answer_scalars: with ``fake``, answer the step's reads of tensor values
+            (``.item()``) with placeholders instead of failing
+            (:class:`~gradckpt.profiling.fake.AnsweredScalars`): for callers that
+            check the plan on real steps.
 
     The model is profiled inside every registered adapter's preparation
     (:mod:`gradckpt.profiling.adapters`): the API, ``explain`` and the CLI all
@@ -97,7 +104,7 @@ def profile(
     # The one profiling path: every registered adapter prepares the model first
     # (transformers: no KV cache; under fake tensors, its real-data branches).
     with adapters.preparing(model, fake=fake):
-        return _profile_prepared(model, loss_fn, blocks, repeats, fake, device)
+        return _profile_prepared(model, loss_fn, blocks, repeats, fake, device, answer_scalars)
 
 
 def _profile_prepared(
@@ -107,6 +114,7 @@ def _profile_prepared(
     repeats: int,
     fake: bool,
     device: str | torch.device | None,
+    answer_scalars: bool = False,
 ) -> Profile:
     units = find_units(model, find_blocks(model, blocks))
     guard = StepState(model)
@@ -114,7 +122,8 @@ def _profile_prepared(
         if fake:
             where = torch.device(device) if device is not None else fake_device_of(model)
             check_fake_device(where)
-            with fake_model(model, where) as mode, mode:
+            answers = AnsweredScalars() if answer_scalars else contextlib.nullcontext()
+            with fake_model(model, where) as mode, mode, answers:
                 guard.reset()
                 forward_only = run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
