@@ -36,6 +36,7 @@ from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.planset import PlanSet
 from gradckpt.profiling import Profile
+from gradckpt.tuning import TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "Selective",
     "ShapeError",
     "ShapeStats",
+    "TuneResult",
     "UnitChoice",
     "__version__",
     "applied_plan",
@@ -84,4 +86,5 @@ __all__ = [
     "shape_stats",
     "simulate",
     "tag",
+    "tune",
 ]

@@ -47,6 +47,8 @@ _WHERE = (
     ("gradckpt.apply", "apply"),
     ("gradckpt.api_shapes", "api"),
     ("gradckpt.api_budget", "api"),
+    ("gradckpt.tuning.", "api"),
+    ("gradckpt.tuning", "api"),
     ("gradckpt.api", "api"),
     ("gradckpt.integrations.", "integrations"),
     ("gradckpt.integrations", "integrations"),

@@ -1,0 +1,230 @@
+"""``gradckpt.tune``: the micro-batch size and the plan that train fastest in the budget.
+
+1. **Candidates**: the divisors of ``global_batch`` (``batch_sizes`` if given;
+   without a global batch, powers of two up to the largest whose leanest plan
+   fits). Each is profiled under fake tensors (exact sizes, no memory).
+2. **Times**: the plain step profiled for real at the two smallest sizes that
+   fit the budget plainly (:mod:`gradckpt.tuning.timing`); the optimizer's step
+   timed once. Nothing runs above the budget.
+3. **Predict** (:mod:`gradckpt.tuning.predict`): every size under no
+   checkpointing, per-layer checkpointing and gradckpt's plan, in whole-step
+   bytes (optimizer state, accumulation), and samples per second.
+4. **Check by running** (:mod:`gradckpt.tuning.run`): the ``top`` gradckpt
+   candidates predicted fastest, the largest micro-batch without checkpointing
+   and the largest with per-layer checkpointing run real steps, interleaved;
+   the fastest measured within the budget is chosen (the predicted best is kept
+   unless another is faster in every round by more than 3%).
+
+Example:
+    >>> result = gradckpt.tune(model, sliced_loss(model, batch), "12GiB",
+    ...                        optimizer=opt, global_batch=64)
+    >>> print(result.table()); result.apply(model)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from gradckpt.api_budget import (
+    PLAIN_MARGIN,
+    annotated,
+    check_step_arguments,
+    resolve_budget,
+    training_step,
+)
+from gradckpt.apply.select import pick_fastest
+from gradckpt.planning.budget import BudgetError, read_budget
+from gradckpt.planning.plan import Plan
+from gradckpt.planning.whole_step import with_training_step
+from gradckpt.profiling.records import Profile
+from gradckpt.profiling.run import profile as profile_step
+from gradckpt.profiling.training_step import TrainingStep
+from gradckpt.profiling.units import BlockSpec
+from gradckpt.tuning.batches import MakeLoss
+from gradckpt.tuning.predict import fake_profile, predict_candidates
+from gradckpt.tuning.result import TuneCandidate, TuneResult
+from gradckpt.tuning.run import optimizer_seconds, run_candidates
+from gradckpt.tuning.timing import BatchTimes
+
+__all__ = ["tune"]
+
+_MAX_POWER = 1 << 12
+
+
+def _sizes(global_batch: int | None, batch_sizes: Sequence[int] | None) -> list[int] | None:
+    if batch_sizes is not None:
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch_sizes are micro-batch sizes >= 1, got {list(batch_sizes)}")
+        if global_batch is not None and any(global_batch % b for b in sizes):
+            bad = [b for b in sizes if global_batch % b]
+            raise ValueError(f"batch_sizes {bad} do not divide global_batch={global_batch}")
+        return sizes
+    if global_batch is not None:
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(
+                f"global_batch is a whole number of samples >= 1, got {global_batch!r}"
+            )
+        return [b for b in range(1, global_batch + 1) if global_batch % b == 0]
+    return None  # powers of two, found while profiling
+
+
+def tune(
+    model: nn.Module,
+    make_loss: MakeLoss,
+    budget: int | str,
+    *,
+    optimizer: Any = None,
+    global_batch: int | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    set_to_none: bool = True,
+    top: int = 2,
+    rounds: int = 3,
+    blocks: BlockSpec = None,
+) -> TuneResult:
+    """The micro-batch, accumulation and plan with the most samples per second in ``budget``.
+
+    Args:
+        model: the model to train.
+        make_loss: ``make_loss(b)`` returns a zero-argument loss for a micro-batch of
+            ``b`` samples (:func:`gradckpt.tuning.sliced_loss` makes one from a batch).
+        budget: bytes, a string with units or ``"auto"``: the whole training step's
+            (a fraction of a plain peak means nothing across micro-batch sizes).
+        optimizer: what you train with (see :func:`gradckpt.plan`); None: not counted.
+        global_batch: samples per optimizer step; each micro-batch size ``b`` divides it
+            and runs ``global_batch / b`` accumulation steps. None: one micro-batch per
+            step, the size free.
+        batch_sizes: the micro-batch sizes to consider (default: see the module doc).
+        set_to_none: gradients cleared with ``zero_grad(set_to_none=True)``.
+        top: gradckpt candidates measured, besides the largest plain and per-layer ones.
+        rounds: real runs per measured candidate.
+        blocks: the model's repeated blocks, if not found automatically.
+
+    Returns:
+        A :class:`TuneResult`; ``result.apply(model)`` installs its plan.
+
+    Raises:
+        BudgetError: no candidate fits the budget.
+
+    Example:
+        >>> result = gradckpt.tune(model, make_loss, "auto", optimizer="adamw", global_batch=32)
+    """
+    if read_budget(budget)[0] == "fraction":
+        raise ValueError(
+            "tune needs the budget in bytes or 'auto': a fraction of the plain peak differs "
+            "for every micro-batch size"
+        )
+    check_step_arguments(optimizer, 1, set_to_none)
+    sizes = _sizes(global_batch, batch_sizes)
+    started = time.perf_counter()
+    step1 = training_step(model, optimizer, 1, set_to_none) or TrainingStep()
+    resolved, device = resolve_budget(model, budget, optimizer)
+    budget_bytes = int(read_budget(resolved)[1])
+
+    def accumulation(b: int) -> int:
+        return global_batch // b if global_batch is not None else 1
+
+    def samples(b: int) -> int:
+        return global_batch if global_batch is not None else b
+
+    def step_for(b: int) -> TrainingStep:
+        return replace(step1, accumulation_steps=accumulation(b))
+
+    fakes = _fake_profiles(model, make_loss, sizes, step_for, budget_bytes, blocks)
+    times = _real_times(model, make_loss, fakes, step_for, budget_bytes, blocks)
+    opt_seconds = optimizer_seconds(model, make_loss(min(fakes)), optimizer) if times.real else 0.0
+    rows = predict_candidates(fakes, step_for, budget_bytes, times, opt_seconds, samples)
+    planning = time.perf_counter() - started
+    picked = _to_measure(rows, top)
+    if not picked:
+        least = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
+        raise BudgetError(
+            f"no micro-batch size fits the budget of {budget_bytes} bytes with any plan "
+            f"(sizes {sorted(fakes)}); the least peak is {least} bytes",
+            least_peak_bytes=least,
+        )
+    state = step1.state_bytes
+    measured = run_candidates(model, make_loss, picked, budget_bytes, state, opt_seconds, samples,
+                              rounds)  # fmt: skip
+    measuring = time.perf_counter() - started - planning
+    best = _fastest(measured)
+    final = [_verdict(r, measured, best) for r in rows]
+    plan: Plan = annotated(replace(best.plan, budget_bytes=budget_bytes), device)  # type: ignore[arg-type]
+    return TuneResult(best.micro_batch, best.accumulation_steps, best.strategy, plan,
+                      budget_bytes, tuple(final), planning, measuring, times.method)  # fmt: skip
+
+
+def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks) -> dict[int, Profile]:
+    """Fake profiles at the candidate sizes (powers of two while the leanest plan fits)."""
+    from gradckpt.planning.planner import Planner
+
+    if sizes is not None:
+        return {b: fake_profile(model, make_loss, b, blocks) for b in sizes}
+    out: dict[int, Profile] = {}
+    b = 1
+    while b <= _MAX_POWER:
+        out[b] = fake_profile(model, make_loss, b, blocks)
+        whole = with_training_step(out[b], step_for(b))
+        if Planner(whole).least_peak()[1].peak_bytes > budget:
+            break
+        b *= 2
+    return out
+
+
+def _real_times(model, make_loss, fakes, step_for, budget, blocks) -> BatchTimes:
+    """Real profiles at the (up to) two smallest sizes whose plain step fits the budget."""
+    fits = [
+        b for b in sorted(fakes)
+        if with_training_step(fakes[b], step_for(b)).measured_peak_bytes * (1 + PLAIN_MARGIN)
+        <= budget
+    ][:2]  # fmt: skip
+    real = {b: profile_step(model, make_loss(b), blocks=blocks, repeats=2) for b in fits}
+    return BatchTimes.fit(real, {b: fakes[b] for b in fits})
+
+
+def _to_measure(rows: list[TuneCandidate], top: int) -> list[TuneCandidate]:
+    """The fastest predicted gradckpt candidates, the largest plain and per-layer ones."""
+    fitting = [r for r in rows if r.plan is not None]
+    ours = sorted((r for r in fitting if r.strategy == "gradckpt"),
+                  key=lambda r: -(r.predicted_samples_per_s or 0))[:top]  # fmt: skip
+    picked = list(ours)
+    for strategy in ("none", "per-layer"):
+        largest = max((r for r in fitting if r.strategy == strategy),
+                      key=lambda r: r.micro_batch, default=None)  # fmt: skip
+        if largest is not None and all(_key(largest) != _key(p) for p in picked):
+            picked.append(largest)
+    return picked
+
+
+def _key(r: TuneCandidate) -> tuple:
+    return (r.micro_batch, r.plan.items if r.plan is not None else None)
+
+
+def _fastest(measured: list[TuneCandidate]) -> TuneCandidate:
+    """The fastest measured within the budget; the predicted fastest unless clearly beaten."""
+    ran = [r for r in measured if r.measured_samples_per_s]
+    if not ran:
+        raise BudgetError("every candidate measured over the budget", least_peak_bytes=None)
+    rounds = min(len(r.measured_rounds) for r in ran)
+    first = ran[0].measured_samples_per_s or 1.0
+    # Seconds per sample relative to the predicted fastest's median, round by round.
+    ratios = [[first / rate for rate in r.measured_rounds[:rounds]] for r in ran]
+    return ran[pick_fastest(ratios)]
+
+
+def _verdict(
+    row: TuneCandidate, measured: list[TuneCandidate], best: TuneCandidate
+) -> TuneCandidate:
+    for m in measured:
+        if _key(m) == _key(row) and m.strategy == row.strategy:
+            if m is best:
+                return replace(m, verdict="chosen")
+            return replace(m, verdict=m.verdict or "slower (measured)")
+    if row.plan is None:
+        return row
+    return replace(row, verdict="not measured (predicted slower)")
