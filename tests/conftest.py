@@ -73,3 +73,14 @@ def assert_steps_close():
 def blocks_plan():
     """:func:`_blocks_plan`."""
     return _blocks_plan
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: two OpenMP threads on a shared 2-core
+    machine spin against the other processes (HF, Lightning, PEFT, AMP,
+    whole-step and tune tests); and one thread is what thread CPU time measures faithfully."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

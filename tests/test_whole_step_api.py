@@ -23,14 +23,6 @@ from gradckpt.planning.budget import BudgetError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _train(model, loss_fn, opt, k: int, steps: int = 5, set_to_none: bool = True) -> list[float]:
     losses = []
     for _ in range(steps):

@@ -65,13 +65,3 @@ def _launch(script: str, args: list[str], out_dir: Path, world: int, timeout_s: 
 def launch_ranks():
     """:func:`_launch`: ``launch_ranks(__file__, args, out_dir, world, timeout_s)``."""
     return _launch
-
-
-@pytest.fixture
-def one_thread():
-    """torch on one thread for the test: two OpenMP threads on a shared 2-core
-    machine spin against the other processes (HF, Lightning, PEFT, AMP tests)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

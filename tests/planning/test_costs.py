@@ -148,17 +148,6 @@ def _cpu_step_seconds(ex, rounds: int = 7) -> float:
     return low_estimate(step() for _ in range(rounds))
 
 
-@pytest.fixture
-def one_thread():
-    # With two OpenMP threads on a loaded machine, the main thread spins at
-    # barriers waiting for the other and its CPU time balloons; one thread is
-    # what thread CPU time measures faithfully.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_engine_term_closes_the_gap_where_engine_costs_dominate(one_thread):
     """A tiny MLP (width 4): its ops cost little more than their dispatch, so every
     region's engine work is most of the overhead. Measured on thread CPU time

@@ -14,14 +14,6 @@ from gradckpt.tuning import TuneResult, sliced_loss, tune
 from gradckpt.tuning.timing import BatchTimes
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt(batch: int = 8):
     ex = make("gpt", layers=3, d_model=64, seq=64, vocab=256, batch=batch)
     model = ex.model
