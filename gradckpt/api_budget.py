@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from gradckpt.measure.device import DeviceMemory, device_memory
-from gradckpt.measure.memory import format_bytes, state_bytes
+from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.measure.optimizer import optimizer_memory
 from gradckpt.planning.budget import read_budget
 from gradckpt.planning.plan import Plan
@@ -93,16 +93,11 @@ def training_step(
 def _held(model: nn.Module, optimizer: Any) -> int:
     """Bytes this process already holds that the step also holds (the device's free
     memory no longer includes them): parameters, gradients, a live optimizer's state."""
-    held = state_bytes(model)
-    held += sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
     if isinstance(optimizer, torch.optim.Optimizer):
-        seen: set[int] = set()
-        for state in optimizer.state.values():
-            for t in state.values():
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    held += t.untyped_storage().nbytes()
-    return held
+        tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(storage_sizes(tensors).values())
 
 
 def resolve_budget(

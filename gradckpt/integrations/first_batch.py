@@ -37,7 +37,7 @@ from torch import nn
 
 from gradckpt.api import fit
 from gradckpt.measure.allocator import AllocatorTracker, foreign_profiler_running
-from gradckpt.measure.memory import format_bytes
+from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.planning.budget import BudgetError, check_budget, read_budget
 from gradckpt.planning.plan import Plan
 
@@ -229,19 +229,6 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
-def _storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    sizes: dict[int, int] = {}
-    for t in tensors:
-        local = getattr(t, "_local_tensor", None)  # a DTensor holds its local shard
-        t = local if local is not None else t
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        sizes[storage._cdata] = storage.nbytes()
-    return sizes
-
-
 def _module_tensors(modules: Iterable[nn.Module]) -> Iterable[torch.Tensor]:
     for module in modules:
         yield from module.parameters()
@@ -265,13 +252,13 @@ def held_bytes(
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    return sum(_storage_sizes(tensors).values())
+    return sum(storage_sizes(tensors).values())
 
 
 def _other_bytes(model: nn.Module, others: Iterable[nn.Module]) -> int:
     """Parameter and buffer bytes of ``others`` that are not ``model``'s."""
-    own = _storage_sizes(_module_tensors([model]))
-    theirs = _storage_sizes(_module_tensors(others))
+    own = storage_sizes(_module_tensors([model]))
+    theirs = storage_sizes(_module_tensors(others))
     return sum(n for key, n in theirs.items() if key not in own)
 
 

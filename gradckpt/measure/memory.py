@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from gradckpt.measure.storages import StorageWatcher, storage_key
 
-__all__ = ["MemoryTracker", "format_bytes", "state_bytes"]
+__all__ = ["MemoryTracker", "format_bytes", "state_bytes", "storage_sizes"]
 
 MiB = 1 << 20
 _BINARY_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -70,8 +70,18 @@ def state_bytes(model: nn.Module | None) -> int:
         >>> state_bytes(nn.Linear(4, 2))  # 8 weights + 2 biases, float32
         40
     """
+    return sum(storage_sizes(_model_tensors(model)).values())
+
+
+def storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage behind ``tensors`` (keyed by storage; views count once).
+
+    Example:
+        >>> w = torch.zeros(4); sum(storage_sizes([w, w[:2]]).values())
+        16
+    """
     sizes: dict[int, int] = {}
-    for t in _model_tensors(model):
+    for t in tensors:
         # A sharded parameter (DTensor, e.g. under FSDP2) holds only its local shard.
         local = getattr(t, "_local_tensor", None)
         t = local if local is not None else t
@@ -80,7 +90,7 @@ def state_bytes(model: nn.Module | None) -> int:
         except (RuntimeError, NotImplementedError, TypeError):
             continue
         sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
+    return sizes
 
 
 def _fake_mode_active() -> bool:
