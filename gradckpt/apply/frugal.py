@@ -6,7 +6,8 @@ from FLOPs and bytes. This module checks it on the model, running only plans
 predicted to fit, the leanest first:
 
 1. the leanest plan runs one step under :class:`~gradckpt.measure.AllocatorTracker`;
-   what the allocator held beyond the fake prediction (workspace, rounding) is
+   what the allocator held beyond the fake prediction (workspace, rounding; on
+   CUDA, the caching allocator's reserved high-water when it is higher) is
    added to every prediction. If the chosen plan then misses the budget, it is
    planned again that much tighter (at most :data:`TRIES` times);
 2. the chosen plan and up to ``count - 1`` other candidates
@@ -78,6 +79,8 @@ class _Runner:
         if tracker is None:
             return seconds, None
         measured = self.raw.param_bytes + tracker.peak_bytes
+        # On CUDA an out-of-memory error sees what the caching allocator reserved.
+        measured = max(measured, tracker.reserved_high_water_bytes or 0)
         return seconds, measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
 
     def _step(self) -> None:

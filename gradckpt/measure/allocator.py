@@ -339,6 +339,9 @@ class AllocatorTracker:
         self.peak_bytes = 0
         self.end_bytes = 0
         self.reserved_peak_bytes: int | None = None
+        #: CUDA: the most the caching allocator had reserved from the device during the
+        #: region, in all (not above entry): what an out-of-memory error sees. None on CPU.
+        self.reserved_high_water_bytes: int | None = None
         self._events: MemoryEvents | None = None
         self._entry = (0, 0)
 
@@ -360,7 +363,8 @@ class AllocatorTracker:
             allocated, reserved = self._entry
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - allocated
             self.end_bytes = torch.cuda.memory_allocated(self.device) - allocated
-            self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device) - reserved
+            self.reserved_high_water_bytes = torch.cuda.max_memory_reserved(self.device)
+            self.reserved_peak_bytes = self.reserved_high_water_bytes - reserved
             return
         self._events.__exit__(*exc)
         self.peak_bytes = self._events.peak_bytes

@@ -115,6 +115,8 @@ class _Runs:
         peak = None
         if tracker is not None:
             peak = state_bytes(self.model) + self.state + tracker.peak_bytes
+            # On CUDA an out-of-memory error sees what the caching allocator reserved.
+            peak = max(peak, (tracker.reserved_high_water_bytes or 0) + self.state)
         return times[-1], peak
 
 
