@@ -400,7 +400,9 @@ def fit(
             for call in replan.calls_for(fitted, shapes or (), seq_dim):
                 if call.key not in plans:
                     plans[call.key] = api_shapes.plan_shape(planner, call)
-            guard = api_shapes.guard(model, on_new_shape, plans, fitted.key, planner, round_up)
+            guard = api_shapes.guard(
+                model, on_new_shape, plans, fitted.key, planner, round_up, options.step
+            )
             install_guarded(model, chosen, guard)
 
             def put(held: Plan) -> None:

@@ -164,6 +164,7 @@ def guard(
     active: ShapeKey,
     planner: replan.ShapePlanner,
     round_up: bool,
+    step: TrainingStep | None = None,
 ) -> shape_guard.ShapeGuard:
     """The shape guard ``fit`` installs: checks each call, switches or plans per shape.
 
@@ -176,7 +177,7 @@ def guard(
 
     def predict(chosen: Plan, args: tuple, kwargs: dict[str, Any]) -> int:
         call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
-        return simulate(planner.profile_call(call), chosen).peak_bytes
+        return simulate(with_training_step(planner.profile_call(call), step), chosen).peak_bytes
 
     return shape_guard.ShapeGuard(
         on_new_shape,

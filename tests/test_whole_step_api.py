@@ -124,3 +124,20 @@ def test_bad_step_arguments_are_refused_before_profiling():
     with pytest.raises(ValueError, match="optimizer=None"):
         gradckpt.plan(model, ex.loss_fn, "1GiB", optimizer="lion")
     assert gradckpt.applied_plan(model) is None
+
+
+def test_a_new_shape_is_planned_for_the_whole_step_too():
+    plain_peak, _ = _plain("gpt2", 2)
+    budget = int(0.6 * plain_peak)
+    ex = _example("gpt2")
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
+    first = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt, accumulation_steps=2)
+    ids = ex.inputs["input_ids"][:, :48]
+    batch = {"input_ids": ids, "labels": ids}
+    with AllocatorTracker() as at:
+        _train(ex.model, lambda: ex.model(**batch).loss, opt, 2)
+    replanned = gradckpt.applied_plan(ex.model)
+    assert replanned is not first and gradckpt.shape_stats(ex.model).replans == 1
+    assert replanned.step is not None and replanned.step.accumulation_steps == 2
+    assert replanned.predicted_peak_bytes <= budget
+    assert state_bytes(ex.model) + at.peak_bytes <= budget
