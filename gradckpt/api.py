@@ -22,6 +22,7 @@ from gradckpt.api_budget import (
     annotated,
     budget_profile,
     check_step_arguments,
+    held_bytes,
     resolve_budget,
     training_step,
 )
@@ -162,8 +163,8 @@ def _plan_one(
     if options.profile is not None:
         prof = with_training_step(options.profile, options.step)
     else:
-        prof, raw = budget_profile(model, loss_fn, budget, options.step,
-                                   blocks=options.blocks, repeats=options.repeats)  # fmt: skip
+        prof, raw = budget_profile(model, loss_fn, budget, options.step, blocks=options.blocks,
+                                   repeats=options.repeats, held_bytes=options.held_bytes)  # fmt: skip
     planner = Planner(prof, segments=options.segments, offload=options.offload)
     chosen = planner.plan(budget, options.solver)
     if raw is None:
@@ -249,7 +250,8 @@ def plan(
     check_step_arguments(optimizer, accumulation_steps, set_to_none)
     budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
     offload_opts = _offload_for(offload, solver)
-    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step)
+    held = held_bytes(model, optimizer)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
     if shapes is None:
         return annotated(_plan_one(model, loss_fn, budget, options), device)
     fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
@@ -375,7 +377,8 @@ def fit(
             f"measurement off), got {measure_candidates!r}"
         )
     budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
-    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step)
+    held = held_bytes(model, optimizer)
+    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
     with adapters.training(model):  # transformers: use_cache off for training, said once
         fitted, chosen, prof = api_shapes.plan_fitted(
             model, loss_fn, budget, options, measure_candidates

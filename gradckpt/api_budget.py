@@ -7,9 +7,10 @@
 * ``budget="auto"`` becomes bytes from the device the model is on
   (:mod:`gradckpt.measure.device`), logged with its rule.
 * **Planning never runs the step above a byte budget.** The step is first
-  profiled under fake tensors (nothing allocated). Only if that plain step,
-  whole, fits the budget with :data:`PLAIN_MARGIN` to spare is it profiled for
-  real, as before. Otherwise the plan is made from the fake profile (op times
+  profiled under fake tensors (nothing allocated). Only if what profiling runs,
+  one micro-batch's plain forward and backward beside the gradients and
+  optimizer state that already exist, fits the budget with :data:`PLAIN_MARGIN`
+  to spare is it profiled for real, as before. Otherwise the plan is made from the fake profile (op times
   estimated from FLOPs and bytes) and checked by running plans that fit, the
   leanest first (:mod:`gradckpt.apply.frugal`). If the step cannot run under
   fake tensors, gradckpt warns and profiles the plain step for real: the one
@@ -51,6 +52,7 @@ __all__ = [
     "annotated",
     "budget_profile",
     "check_step_arguments",
+    "held_bytes",
     "resolve_budget",
     "training_step",
 ]
@@ -88,6 +90,15 @@ def training_step(
         return None
     memory = optimizer_memory(model, optimizer) if optimizer is not None else None
     return TrainingStep(memory, accumulation_steps, set_to_none)
+
+
+def held_bytes(model: nn.Module, optimizer: Any) -> int:
+    """Gradients and a live optimizer's state that exist already (besides parameters).
+
+    Example:
+        >>> held_bytes(model, opt)  # 0 before the first backward and step
+    """
+    return _held(model, optimizer) - sum(storage_sizes([*model.parameters(), *model.buffers()]).values())
 
 
 def _held(model: nn.Module, optimizer: Any) -> int:
@@ -129,11 +140,15 @@ def budget_profile(
     *,
     blocks: BlockSpec = None,
     repeats: int = 3,
+    held_bytes: int = 0,
 ) -> tuple[Profile, Profile | None]:
     """The profile to plan from, and (frugal route) the raw fake profile it came from.
 
     See the module docstring. The second value is None when the plain step was
     profiled for real (it fits, or the budget is a fraction, or fake tensors failed).
+    What profiling runs is one micro-batch's plain forward and backward, with
+    ``held_bytes`` (gradients and optimizer state that already exist:
+    :func:`held_bytes`) beside it: that, not the whole step, is what must fit.
 
     Example:
         >>> prof, fake = budget_profile(model, loss_fn, 300 << 20, None)
@@ -161,7 +176,7 @@ def budget_profile(
         return real(), None
     fake = with_training_step(raw, step)
     check_floor(fake, int(value))  # before anything runs for real
-    if fake.measured_peak_bytes * (1 + PLAIN_MARGIN) <= value:
+    if (raw.measured_peak_bytes + held_bytes) * (1 + PLAIN_MARGIN) <= value:
         return real(), None
     logger.info(
         "gradckpt: the plain step (%s predicted) may not fit the budget of %s: planning "

@@ -54,6 +54,8 @@ class PlanOptions:
     offload: OffloadOptions | None = None
     #: The training step around forward/backward that the budget also holds.
     step: TrainingStep | None = None
+    #: Gradients and optimizer state that exist already (beside a real profile's step).
+    held_bytes: int = 0
 
 
 def plan_fitted(
@@ -77,8 +79,9 @@ def plan_fitted(
     raw_fake = None  # set when the plain step may not fit: planned from fake tensors
     if given is None:
         prof, raw_fake = budget_profile(
-            model, recording, budget, options.step, blocks=options.blocks, repeats=options.repeats
-        )
+            model, recording, budget, options.step, blocks=options.blocks,
+            repeats=options.repeats, held_bytes=options.held_bytes,
+        )  # fmt: skip
     else:
         prof = with_training_step(given, options.step)
     calls = recording.calls  # type: ignore[attr-defined]

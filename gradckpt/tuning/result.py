@@ -74,8 +74,10 @@ class TuneResult:
             >>> result.apply(model)
         """
         from gradckpt.apply.apply import apply
+        from gradckpt.profiling import adapters
 
-        apply(model, self.plan)
+        with adapters.training(model):  # as fit does (transformers: no KV cache in training)
+            apply(model, self.plan)
         return self.plan
 
     def table(self) -> str:

@@ -34,6 +34,7 @@ from gradckpt.api_budget import (
     PLAIN_MARGIN,
     annotated,
     check_step_arguments,
+    held_bytes,
     resolve_budget,
     training_step,
 )
@@ -136,7 +137,7 @@ def tune(
         return replace(step1, accumulation_steps=accumulation(b))
 
     fakes = _fake_profiles(model, make_loss, sizes, step_for, budget_bytes, blocks)
-    times = _real_times(model, make_loss, fakes, step_for, budget_bytes, blocks)
+    times = _real_times(model, make_loss, fakes, held_bytes(model, optimizer), budget_bytes, blocks)
     opt_seconds = optimizer_seconds(model, make_loss(min(fakes)), optimizer) if times.real else 0.0
     rows = predict_candidates(fakes, step_for, budget_bytes, times, opt_seconds, samples)
     planning = time.perf_counter() - started
@@ -176,12 +177,13 @@ def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks) -> dict[in
     return out
 
 
-def _real_times(model, make_loss, fakes, step_for, budget, blocks) -> BatchTimes:
+def _real_times(model, make_loss, fakes, held, budget, blocks) -> BatchTimes:
     """Real profiles at the (up to) two smallest sizes whose plain step fits the budget."""
+    # A real profile runs one plain micro-batch's forward and backward (no optimizer
+    # state yet, beside what already exists): that is what must fit.
     fits = [
         b for b in sorted(fakes)
-        if with_training_step(fakes[b], step_for(b)).measured_peak_bytes * (1 + PLAIN_MARGIN)
-        <= budget
+        if (fakes[b].measured_peak_bytes + held) * (1 + PLAIN_MARGIN) <= budget
     ][:2]  # fmt: skip
     real = {b: profile_step(model, make_loss(b), blocks=blocks, repeats=2) for b in fits}
     return BatchTimes.fit(real, {b: fakes[b] for b in fits})
@@ -225,6 +227,12 @@ def _verdict(
             if m is best:
                 return replace(m, verdict="chosen")
             return replace(m, verdict=m.verdict or "slower (measured)")
+    for m in measured:  # the same plan at the same size, measured under another strategy
+        if _key(m) == _key(row):
+            same = f"same plan as {m.strategy}" + (", chosen" if m is best else "")
+            numbers = {f: getattr(m, f) for f in ("measured_samples_per_s", "measured_rounds",
+                                                  "measured_peak_bytes")}  # fmt: skip
+            return replace(row, verdict=same, **numbers)
     if row.plan is None:
         return row
     return replace(row, verdict="not measured (predicted slower)")
