@@ -1,4 +1,4 @@
-"""The ``gradckpt`` command: ``demo``, ``estimate``, ``plan``, ``explain``, ``bench``.
+"""The ``gradckpt`` command: ``demo``, ``estimate``, ``plan``, ``explain``, ``tune``, ``bench``.
 
 Errors in the input (unknown target, bad budget, a budget below the least
 feasible peak, a missing optional extra) print one line on stderr and exit with
@@ -10,6 +10,7 @@ Example:
     $ gradckpt estimate llama-1b --optimizer adamw --budget 24GB
     $ gradckpt plan gpt2-small --budget 0.5 --fake --out plan.json
     $ gradckpt explain mypkg.train:make_model --budget 3GiB
+    $ gradckpt tune tiny-gpt --budget 40MiB --global-batch 16
 """
 
 from __future__ import annotations
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     _offload_flags(exp)
     _common(exp)
 
+    from gradckpt.cli.tune import add_parser as add_tune
+
+    add_tune(sub)
+
     bench = sub.add_parser(
         "bench", help="run the benchmark scripts (benchmarks/*.py) and write their results",
         description="Run benchmarks/engine.py, frontier.py and hf_models.py (those present) "
@@ -314,6 +319,10 @@ def _run(args: argparse.Namespace) -> int:
             from gradckpt.cli.estimate import run_estimate
 
             return run_estimate(args, out)
+        if args.command == "tune":
+            from gradckpt.cli.tune import run_tune
+
+            return run_tune(args, out)
         from gradckpt.cli import commands
 
         run = {"plan": commands.run_plan, "explain": commands.run_explain,

@@ -1,4 +1,4 @@
-"""TARGET: what ``gradckpt plan``/``explain`` profile, as ``(model, loss_fn)``.
+"""TARGET: what ``gradckpt plan``/``explain``/``tune`` profile, as ``(model, loss_fn)``.
 
 A target is one of
 
@@ -12,6 +12,12 @@ A target is one of
 
 ``loss_fn`` should create its batch inside (``torch.randint(..., device=...)``)
 so that under ``--fake`` the batch is a fake tensor too.
+
+``gradckpt tune`` also needs ``make_loss(b)``: a zero-argument loss for a
+micro-batch of ``b`` samples. The built-ins have one (their batch, rows repeated
+or cut to ``b``); a user's function returns ``(model, loss_fn, make_loss)`` (or an
+object with ``.make_loss`` too); :func:`gradckpt.tuning.sliced_loss` makes one
+from a batch of tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from gradckpt.cli.extras import CliError, require
 __all__ = ["BUILTINS", "Target", "resolve"]
 
 LossFn = Callable[[], torch.Tensor]
+MakeLoss = Callable[[int], LossFn]
+Made = tuple[nn.Module, LossFn, "MakeLoss | None"]
 
 
 @dataclass
@@ -43,6 +51,8 @@ class Target:
     model: nn.Module
     loss_fn: LossFn
     description: str = ""
+    #: ``make_loss(b)``: the loss for a micro-batch of ``b`` samples (``gradckpt tune``).
+    make_loss: MakeLoss | None = None
 
     @property
     def params(self) -> int:
@@ -52,27 +62,50 @@ class Target:
 @dataclass(frozen=True)
 class Builtin:
     description: str
-    build: Callable[[bool, str], tuple[nn.Module, LossFn]]  # (fake, device) -> (model, loss_fn)
+    make: Callable[[bool, str], Made]  # (fake, device) -> (model, loss_fn, make_loss)
     needs_fake_on_cpu: bool = False
+
+    def build(self, fake: bool, device: str) -> tuple[nn.Module, LossFn]:
+        """(model, loss_fn) on ``device`` (on meta when ``fake``, for the HF built-ins)."""
+        model, loss_fn, _ = self.make(fake, device)
+        return model, loss_fn
 
 
 # --------------------------------------------------------------------------- built-ins
 
 
-def _zoo(name: str, **sizes: Any) -> Callable[[bool, str], tuple[nn.Module, LossFn]]:
-    def build(fake: bool, device: str) -> tuple[nn.Module, LossFn]:
+def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
+    """The first ``b`` rows of ``t``, its rows repeated when it has fewer."""
+    return t.repeat(-(-b // t.shape[0]), *[1] * (t.dim() - 1))[:b]
+
+
+#: The loss of each zoo built-in on given inputs, ``(model, inputs) -> loss``: module:function
+#: in gradckpt.testing (what its ``loss_fn`` runs on its fixed batch).
+_ZOO_LOSS = {"gpt": "gpts:_next_token_loss", "unet": "unets:_regress"}
+
+
+def _zoo(name: str, **sizes: Any) -> Callable[[bool, str], Made]:
+
+    def build(fake: bool, device: str) -> Made:
         from gradckpt.testing import make
 
         # Zoo models are small: even with --fake they are built for real (the profiler
         # swaps their weights for fake tensors) and keep their fixed batch.
         ex = make(name, device=device, **sizes)
-        return ex.model, ex.loss_fn
+        module, _, function = _ZOO_LOSS[name].partition(":")
+        of_rows = getattr(importlib.import_module(f"gradckpt.testing.{module}"), function)
+
+        def make_loss(b: int) -> LossFn:
+            rows = {k: _rows(v, b) for k, v in ex.inputs.items()}
+            return lambda: of_rows(ex.model, rows)
+
+        return ex.model, ex.loss_fn, make_loss
 
     return build
 
 
-def _hf(kind: str) -> Callable[[bool, str], tuple[nn.Module, LossFn]]:
-    def build(fake: bool, device: str) -> tuple[nn.Module, LossFn]:
+def _hf(kind: str) -> Callable[[bool, str], Made]:
+    def build(fake: bool, device: str) -> Made:
         transformers = require("transformers", f"the built-in target {kind}")
         config, cls, inputs = _HF[kind](transformers)
         if hasattr(config, "use_cache"):
@@ -87,13 +120,16 @@ def _hf(kind: str) -> Callable[[bool, str], tuple[nn.Module, LossFn]]:
             transformers.logging.set_verbosity(verbosity)
         model.train()
 
-        def loss_fn() -> torch.Tensor:
-            # The batch is made here, on the parameters' device: under --fake that is a
-            # fake tensor on the device the profiler claims, so nothing is allocated.
-            on = next(model.parameters()).device
-            return model(**inputs(on)).loss
+        def make_loss(b: int | None = None) -> LossFn:
+            def loss_fn() -> torch.Tensor:
+                # The batch is made here, on the parameters' device: under --fake that is a
+                # fake tensor on the device the profiler claims, so nothing is allocated.
+                on = next(model.parameters()).device
+                return model(**inputs(on, b)).loss
 
-        return model, loss_fn
+            return loss_fn
+
+        return model, make_loss(), make_loss
 
     return build
 
@@ -102,8 +138,8 @@ def _gpt2(transformers: Any) -> tuple:
     config = transformers.GPT2Config()  # 124M: 12 layers, 768 wide, vocab 50257
     batch, seq = 8, 256
 
-    def inputs(device: torch.device) -> dict:
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    def inputs(device: torch.device, b: int | None = None) -> dict:
+        ids = torch.randint(0, config.vocab_size, (b or batch, seq), device=device)
         return {"input_ids": ids, "labels": ids}
 
     return config, transformers.GPT2LMHeadModel, inputs
@@ -117,8 +153,8 @@ def _llama(transformers: Any) -> tuple:
     )  # fmt: skip
     batch, seq = 2, 1024
 
-    def inputs(device: torch.device) -> dict:
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    def inputs(device: torch.device, b: int | None = None) -> dict:
+        ids = torch.randint(0, config.vocab_size, (b or batch, seq), device=device)
         return {"input_ids": ids, "labels": ids}
 
     return config, transformers.LlamaForCausalLM, inputs
@@ -128,9 +164,10 @@ def _vit(transformers: Any) -> tuple:
     config = transformers.ViTConfig(num_labels=1000)  # ViT-B/16, 224x224
     batch = 8
 
-    def inputs(device: torch.device) -> dict:
-        pixels = torch.randn(batch, 3, config.image_size, config.image_size, device=device)
-        return {"pixel_values": pixels, "labels": torch.randint(0, 1000, (batch,), device=device)}
+    def inputs(device: torch.device, b: int | None = None) -> dict:
+        n = b or batch
+        pixels = torch.randn(n, 3, config.image_size, config.image_size, device=device)
+        return {"pixel_values": pixels, "labels": torch.randint(0, 1000, (n,), device=device)}
 
     return config, transformers.ViTForImageClassification, inputs
 
@@ -199,7 +236,8 @@ def _load_file(path: Path) -> Any:
     return module
 
 
-def _call(spec: str, fn: Any) -> tuple[nn.Module, LossFn]:
+def _call(spec: str, fn: Any) -> Made:
+    """``fn()`` as (model, loss_fn, make_loss or None)."""
     if not callable(fn):
         raise CliError(f"target {spec!r} is not a function")
     try:
@@ -207,14 +245,18 @@ def _call(spec: str, fn: Any) -> tuple[nn.Module, LossFn]:
     except (Exception, SystemExit) as e:
         raise CliError(f"target {spec!r} raised {type(e).__name__}: {e}") from e
     if hasattr(made, "model") and hasattr(made, "loss_fn"):
-        made = (made.model, made.loss_fn)
+        made = (made.model, made.loss_fn, getattr(made, "make_loss", None))
+    if isinstance(made, tuple) and len(made) == 2:
+        made = (*made, None)
     if (
-        not isinstance(made, tuple) or len(made) != 2
+        not isinstance(made, tuple) or len(made) != 3
         or not isinstance(made[0], nn.Module) or not callable(made[1])
+        or not (made[2] is None or callable(made[2]))
     ):  # fmt: skip
         raise CliError(
             f"target {spec!r} must return (model, loss_fn): an nn.Module and a zero-argument "
-            f"callable returning the loss; it returned {type(made).__name__}"
+            f"callable returning the loss (or (model, loss_fn, make_loss) for gradckpt tune); "
+            f"it returned {type(made).__name__}"
         )
     return made
 
@@ -247,8 +289,8 @@ def resolve(spec: str, *, fake: bool = False, device: str = "cpu") -> Target:
                 f"{spec} has about 5 GB of float32 weights: plan it with --fake (no weights "
                 "are allocated), or profile it for real with --device cuda"
             )
-        model, loss_fn = builtin.build(fake, device)
-        return Target(spec, model, loss_fn, builtin.description)
+        model, loss_fn, make_loss = builtin.make(fake, device)
+        return Target(spec, model, loss_fn, builtin.description, make_loss)
     file_spec = _split_file(spec)
     if file_spec is not None:
         path, func = file_spec
@@ -259,8 +301,8 @@ def resolve(spec: str, *, fake: bool = False, device: str = "cpu") -> Target:
             if fn is not None and (func or getattr(fn, "__module__", None) == module.__name__):
                 # without a name, only a make()/target() defined in the file itself counts
                 # (not, say, gradckpt.testing's make imported there)
-                model, loss_fn = _call(spec, getattr(module, name))
-                return Target(spec, model, loss_fn, f"{name}() in {path}")
+                model, loss_fn, make_loss = _call(spec, getattr(module, name))
+                return Target(spec, model, loss_fn, f"{name}() in {path}", make_loss)
         if func:
             raise CliError(f"{path} has no function {func!r}")
         raise CliError(f"{path} defines neither make() nor target(); name one: {path}:function")
@@ -271,6 +313,6 @@ def resolve(spec: str, *, fake: bool = False, device: str = "cpu") -> Target:
         module = _import_module(module_name)
         if not hasattr(module, func):
             raise CliError(f"module {module_name!r} has no function {func!r}")
-        model, loss_fn = _call(spec, getattr(module, func))
-        return Target(spec, model, loss_fn, f"{func}() from {module_name}")
+        model, loss_fn, make_loss = _call(spec, getattr(module, func))
+        return Target(spec, model, loss_fn, f"{func}() from {module_name}", make_loss)
     raise CliError(f"unknown target {spec!r}: give {FORMS}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -184,6 +185,9 @@ class FirstBatchBudget:
             :func:`gradckpt.fit`.
         loss_from: how to get the loss from the step's output; default
             :func:`loss_of`.
+        plan: a plan made already (``gradckpt.tune(...).plan``): applied as it is on
+            the first batch instead of planning there (nothing is profiled); the
+            steps under it are measured all the same.
         **plan_options: passed to :func:`gradckpt.fit`; they override what the
             callback passes itself (``optimizer``, ``accumulation_steps``,
             ``set_to_none``): ``optimizer=None`` plans without counting it.
@@ -192,6 +196,7 @@ class FirstBatchBudget:
         >>> class BudgetCallback(FirstBatchBudget, TrainerCallback): ...
         >>> BudgetCallback("2GiB").loss_from is loss_of
         True
+        >>> BudgetCallback(result.budget_bytes, plan=result.plan)  # gradckpt.tune's
     """
 
     def __init__(
@@ -199,12 +204,17 @@ class FirstBatchBudget:
         budget: int | float | str,
         *,
         loss_from: Callable[[Any], torch.Tensor] | None = None,
+        plan: Plan | None = None,
         **plan_options: Any,
     ) -> None:
         super().__init__()
         self.loss_from = checked_callback_options(budget, loss_from)
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a gradckpt.Plan, got {type(plan).__name__}")
         self.budget = budget
         self.plan_options = plan_options
+        #: The plan given to apply instead of planning (None: plan on the first batch).
+        self.ready_plan = plan
         self.plan: Plan | None = None
         self.report: BudgetReport | None = None
 
@@ -268,9 +278,10 @@ def fit_on_batch(
     budget: int | float | str,
     *,
     others: Iterable[nn.Module] = (),
+    plan: Plan | None = None,
     **plan_options: Any,
 ) -> tuple[Plan, BudgetReport]:
-    """``gradckpt.fit`` on the trainer's step on this batch; nothing more is run.
+    """``gradckpt.fit`` on the trainer's step on this batch (or ``plan`` applied); nothing more is run.
 
     Args:
         model: the module the trainer trains (planned and applied).
@@ -280,6 +291,10 @@ def fit_on_batch(
         others: modules the step also holds (a reference model): their parameters
             and buffers are resident but not planned; a budget in bytes is lowered
             by them before planning, and every figure of the report includes them.
+        plan: a plan made already (``gradckpt.tune``'s): applied as it is (with the
+            model's training switches: transformers' ``use_cache`` off), not planned;
+            ``loss_fn`` is not called. A warning if it was made for other
+            ``accumulation_steps`` than ``plan_options`` says.
         **plan_options: passed to :func:`gradckpt.fit` (``optimizer``,
             ``accumulation_steps``, ``blocks``, ``solver``, ...).
 
@@ -306,9 +321,14 @@ def fit_on_batch(
                 f"{format_bytes(int(value))}",
                 least_peak_bytes=other,
             )
-    plan = fit(model, loss_fn, planned_budget, **plan_options)
+    if plan is None:
+        plan = fit(model, loss_fn, planned_budget, **plan_options)
+        budget_bytes = int(plan.budget_bytes or plan.baseline_peak_bytes) + other
+    else:
+        _apply_ready(model, plan, plan_options.get("accumulation_steps"))
+        budget_bytes = int(value) if kind == "bytes" else int(plan.budget_bytes or 0) + other
     report = BudgetReport(
-        budget_bytes=int(plan.budget_bytes or plan.baseline_peak_bytes) + other,
+        budget_bytes=budget_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes + other,
         measured_peak_bytes=None,
         baseline_peak_bytes=plan.baseline_peak_bytes + other,
@@ -319,6 +339,22 @@ def fit_on_batch(
     )
     logger.info("%s\n%s", report.line(), report.summary)
     return plan, report
+
+
+def _apply_ready(model: nn.Module, plan: Plan, accumulation_steps: int | None) -> None:
+    """Install a plan made beforehand, as ``fit`` installs its own (training switches on)."""
+    from gradckpt.apply.apply import apply
+    from gradckpt.profiling import adapters
+
+    planned = plan.step.accumulation_steps if plan.step is not None else None
+    if accumulation_steps is not None and planned is not None and planned != accumulation_steps:
+        warnings.warn(
+            f"gradckpt: the plan was made for {planned} micro-batches per optimizer step, the "
+            f"trainer runs {accumulation_steps}: its predicted peak is for {planned}",
+            stacklevel=3,
+        )
+    with adapters.training(model):  # transformers: use_cache off, its own checkpointing off
+        apply(model, plan)
 
 
 #: Measurements open now; one left open by a trainer that raised is closed by the next

@@ -34,6 +34,10 @@ Example:
     >>> hf.enable(other_model, policy=gradckpt.policies.save_matmuls)
 
 See ``examples/hf_finetune.py`` for both, with a frozen base and LoRA adapters.
+For the ``Trainer``: ``BudgetCallback(budget)`` plans its step on the first batch
+(``hf_trainer``), and ``tune_training_args(model, args, data, budget=...)`` picks
+the micro-batch and accumulation for the arguments' global batch and the plan
+with them (``hf_tune``); both import transformers, so are loaded on first use.
 """
 
 from __future__ import annotations
@@ -208,9 +212,13 @@ def _setter(model: nn.Module) -> Callable[..., None]:
     return setter
 
 
-def __getattr__(name: str) -> Any:  # BudgetCallback imports transformers: load it on first use
+def __getattr__(name: str) -> Any:  # these import transformers: load them on first use
     if name == "BudgetCallback":
         from gradckpt.integrations.hf_trainer import BudgetCallback
 
         return BudgetCallback
+    if name == "tune_training_args":
+        from gradckpt.integrations.hf_tune import tune_training_args
+
+        return tune_training_args
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

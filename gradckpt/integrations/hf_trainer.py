@@ -121,6 +121,9 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
             :func:`gradckpt.fit`; for the whole training step.
         loss_from: how to get the loss from what ``compute_loss`` returns (a
             ``(loss, outputs)`` pair is unpacked first); default: the tensor itself.
+        plan: a plan made already (``gradckpt.tune``'s, or
+            :func:`gradckpt.integrations.hf.tune_training_args`'): applied on the first
+            step instead of planning there; the two steps after are measured.
         **plan_options: passed to :func:`gradckpt.fit` (``blocks``, ``solver``,
             ``repeats``, ...), over what the callback passes itself: the Trainer's
             ``optimizer`` and ``accumulation_steps`` (``optimizer=None`` turns
@@ -257,7 +260,7 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
         self._planning = True
         try:
             self.plan, self.report = fit_on_batch(
-                target, loss_fn, self.budget, others=others, **options
+                target, loss_fn, self.budget, others=others, plan=self.ready_plan, **options
             )
         finally:
             self._planning = False

@@ -78,6 +78,10 @@ class BudgetCallback(FirstBatchBudget, Callback):
             :func:`gradckpt.fit`; for the whole training step.
         loss_from: how to get the loss from ``training_step``'s return value;
             default: the tensor itself or its ``"loss"`` entry.
+        plan: a plan made already (``gradckpt.tune(..., set_to_none=False).plan``: the
+            gradients are resident through ``training_step``; train with the result's
+            micro-batch and ``accumulate_grad_batches=result.accumulation_steps``):
+            applied on the first batch instead of planning there.
         **plan_options: passed to :func:`gradckpt.fit` (``blocks``, ``solver``, ...),
             over what the callback passes itself: the trainer's first optimizer,
             ``accumulation_steps`` and ``set_to_none=False`` (``optimizer=None``
@@ -126,7 +130,9 @@ class BudgetCallback(FirstBatchBudget, Callback):
             **self.plan_options,
         }
         with _logging_dropped(pl_module):
-            self.plan, self.report = fit_on_batch(pl_module, loss_fn, self.budget, **options)
+            self.plan, self.report = fit_on_batch(
+                pl_module, loss_fn, self.budget, plan=self.ready_plan, **options
+            )
         self._log(trainer, planned=True)
         measuring = StepsMeasurement(pl_module, optimizer)
         self._first_step = trainer.global_step
