@@ -29,7 +29,11 @@ last the compiled benchmark (``benchmarks/compiled.py --device cuda``: the
 compiler's ``activation_memory_budget`` at 1/0.7 against gradckpt's knob and
 saved-bytes rows on Llama, each compiled from scratch in its own process) when
 more than 5 minutes are left (``--time-limit 720`` leaves it room; or run
-``python -m benchmarks.compiled`` with the arguments of ``compiled_arguments``).
+``python -m benchmarks.compiled`` with the arguments of ``compiled_arguments``),
+and the tune benchmark's GPT-2 rows (``benchmarks/tune.py --models gpt2 --device
+cuda``: ``gradckpt.tune`` against plain, per-layer checkpointing and ``fit`` at
+the largest micro-batches that fit two whole-step budgets) when more than 2
+minutes are left.
 
 Writes ``benchmarks/results/gpu-check-<gpu>-<date>.md`` (and ``.json``).
 
@@ -303,6 +307,18 @@ def run_compiled_benchmark(
     return _run_script("compiled", compiled_arguments(dry, outdir), outdir, timeout, log)
 
 
+def tune_arguments(dry: bool, outdir: Path) -> list[str]:
+    """``benchmarks/tune.py``'s arguments for this check: its GPT-2 rows (both budgets) on the
+    GPU at GPT-2 small's shape; in a dry run its quick sizes on the CPU."""
+    args = ["--out", str(outdir), "--models", "gpt2"]
+    return [*args, "--quick"] if dry else [*args, "--device", "cuda"]
+
+
+def run_tune_benchmark(dry: bool, outdir: Path, timeout: float, log: Callable[[str], None]) -> str:
+    """gradckpt.tune against plain, per-layer and fit at their largest micro-batches (GPT-2)."""
+    return _run_script("tune", tune_arguments(dry, outdir), outdir, timeout, log)
+
+
 def _log(line: str) -> None:
     print(line, flush=True)
 
@@ -355,6 +371,10 @@ def _compiled_stage(ctx: BenchmarkRun) -> str:
     return run_compiled_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
 
 
+def _tune_stage(ctx: BenchmarkRun) -> str:
+    return run_tune_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
+
+
 # In the order they run (and their notes appear).
 BENCHMARKS = (
     Benchmark("whole-step budget", 60, "note", _whole_step_stage),
@@ -362,6 +382,7 @@ BENCHMARKS = (
     Benchmark("offload contenders", 60, "offload", _offload_stage),
     Benchmark("hf_models benchmark", 30, "note", _hf_stage),
     Benchmark("compiled benchmark", 300, "note", _compiled_stage),
+    Benchmark("tune benchmark", 120, "note", _tune_stage),
 )
 
 

@@ -57,7 +57,7 @@ def test_benchmark_table_names_functions_that_exist():
     titles = [b.title for b in gpu_check.BENCHMARKS]
     assert titles == [
         "whole-step budget", "frontier benchmark", "offload contenders", "hf_models benchmark",
-        "compiled benchmark",
+        "compiled benchmark", "tune benchmark",
     ]
     assert callable(gpu_whole_step.run_whole_step_check)
     assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
@@ -65,6 +65,8 @@ def test_benchmark_table_names_functions_that_exist():
         assert callable(bench.run) and bench.min_seconds_left > 0
     assert callable(frontier.run_model) and callable(offload_gpu.run_offload_contenders)
     assert (gpu_check.HERE / "hf_models.py").is_file()
+    assert (gpu_check.HERE / "tune.py").is_file()
+    assert gpu_check.tune_arguments(False, gpu_check.RESULTS)[-2:] == ["--device", "cuda"]
 
 
 def test_benchmarks_out_of_time_are_skipped_and_a_failure_stops_no_other(monkeypatch, tmp_path):
