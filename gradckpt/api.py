@@ -20,16 +20,14 @@ from torch import nn
 from gradckpt import api_shapes, replan
 from gradckpt.api_budget import (
     annotated,
-    budget_profile,
+    budget_and_step,
     check_step_arguments,
     held_bytes,
-    resolve_budget,
     training_step,
 )
 from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
-from gradckpt.measure.device import DeviceMemory
 from gradckpt.planning.budget import check_budget
 from gradckpt.planning.explain import Explanation
 from gradckpt.planning.offload_cost import OffloadOptions, offload_options
@@ -41,7 +39,6 @@ from gradckpt.planning.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
-from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
@@ -121,8 +118,7 @@ def profile(
     _check_arguments(
         model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
     )
-    check_step_arguments(optimizer, accumulation_steps, set_to_none)
-    step = training_step(model, optimizer, accumulation_steps, set_to_none)
+    step = training_step(model, optimizer, accumulation_steps, set_to_none)  # checks them first
     return with_training_step(profile_step(model, loss_fn, **options), step)
 
 
@@ -141,39 +137,6 @@ def _profile(model: nn.Module, loss_fn: LossFn, options: PlanOptions) -> Profile
         return with_training_step(options.profile, options.step)
     prof = profile_step(model, loss_fn, blocks=options.blocks, repeats=options.repeats)
     return with_training_step(prof, options.step)
-
-
-def _whole_step(
-    model: nn.Module, budget: int | float | str, optimizer: Any, accumulation: int, to_none: bool
-) -> tuple[int | float | str, DeviceMemory | None, TrainingStep | None]:
-    """The budget as bytes or a fraction ("auto" read from the device) and the step it holds."""
-    step = training_step(model, optimizer, accumulation, to_none)
-    budget, device = resolve_budget(model, budget, optimizer)
-    if device is not None and step is None:
-        step = TrainingStep()  # the breakdown shows the device's rule, and what is not counted
-    return budget, device, step
-
-
-def _plan_one(
-    model: nn.Module, loss_fn: LossFn, budget: int | float | str, options: PlanOptions
-) -> Plan:
-    """``plan`` without shapes: profiled within the budget, and checked when planned from
-    fake tensors (one real step of the leanest plan, one of the plan: never the plain step)."""
-    raw = None
-    if options.profile is not None:
-        prof = with_training_step(options.profile, options.step)
-    else:
-        prof, raw = budget_profile(model, loss_fn, budget, options.step, blocks=options.blocks,
-                                   repeats=options.repeats, held_bytes=options.held_bytes)  # fmt: skip
-    planner = Planner(prof, segments=options.segments, offload=options.offload)
-    chosen = planner.plan(budget, options.solver)
-    if raw is None:
-        return chosen
-    from gradckpt.apply.frugal import frugal_measured
-
-    with shape_guard.paused(model):
-        return frugal_measured(model, loss_fn, planner, raw, chosen, planner.budget_bytes(budget),
-                               1, rounds=1, solver=options.solver)  # fmt: skip
 
 
 def plan(
@@ -247,13 +210,14 @@ def plan(
     """
     _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
-    check_step_arguments(optimizer, accumulation_steps, set_to_none)
-    budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
+    budget, device, step = budget_and_step(  # the step's arguments are checked first
+        model, budget, optimizer, accumulation_steps, set_to_none
+    )
     offload_opts = _offload_for(offload, solver)
     held = held_bytes(model, optimizer)
     options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
-    if shapes is None:
-        return annotated(_plan_one(model, loss_fn, budget, options), device)
+    if shapes is None:  # planned within the budget (never the plain step above it)
+        return annotated(api_shapes.plan_fitted(model, loss_fn, budget, options)[1], device)
     fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
     first = annotated(first, device)
     if fitted is None:
@@ -376,7 +340,9 @@ def fit(
             f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
             f"measurement off), got {measure_candidates!r}"
         )
-    budget, device, step = _whole_step(model, budget, optimizer, accumulation_steps, set_to_none)
+    budget, device, step = budget_and_step(
+        model, budget, optimizer, accumulation_steps, set_to_none
+    )
     held = held_bytes(model, optimizer)
     options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
     with adapters.training(model):  # transformers: use_cache off for training, said once
@@ -411,6 +377,7 @@ def fit(
             def put(held: Plan) -> None:
                 plans[fitted.key] = held
                 install_guarded(model, held, guard)
+
     if compile:
         from gradckpt.apply.compiled_hold import compile_within_budget
 

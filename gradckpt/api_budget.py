@@ -50,6 +50,7 @@ from gradckpt.profiling.units import BlockSpec
 __all__ = [
     "PLAIN_MARGIN",
     "annotated",
+    "budget_and_step",
     "budget_profile",
     "check_step_arguments",
     "held_bytes",
@@ -92,13 +93,31 @@ def training_step(
     return TrainingStep(memory, accumulation_steps, set_to_none)
 
 
+def budget_and_step(
+    model: nn.Module, budget: int | float | str, optimizer: Any, accumulation: int, to_none: bool
+) -> tuple[int | float | str, DeviceMemory | None, TrainingStep | None]:
+    """The budget as bytes or a fraction ("auto" read from the device), the device's
+    reading (None unless "auto") and the training step the budget holds.
+
+    Example:
+        >>> budget, device, step = budget_and_step(model, "auto", "adamw", 4, True)
+    """
+    step = training_step(model, optimizer, accumulation, to_none)
+    budget, device = resolve_budget(model, budget, optimizer)
+    if device is not None and step is None:
+        step = TrainingStep()  # the breakdown shows the device's rule, and what is not counted
+    return budget, device, step
+
+
 def held_bytes(model: nn.Module, optimizer: Any) -> int:
     """Gradients and a live optimizer's state that exist already (besides parameters).
 
     Example:
         >>> held_bytes(model, opt)  # 0 before the first backward and step
     """
-    return _held(model, optimizer) - sum(storage_sizes([*model.parameters(), *model.buffers()]).values())
+    return _held(model, optimizer) - sum(
+        storage_sizes([*model.parameters(), *model.buffers()]).values()
+    )
 
 
 def _held(model: nn.Module, optimizer: Any) -> int:

@@ -99,7 +99,8 @@ def plan_fitted(
 
         with shape_guard.paused(model):
             chosen = frugal_measured(model, recording, planner, raw_fake, chosen, budget_bytes,
-                                     max(1, measure_candidates), solver=options.solver)  # fmt: skip
+                                     max(1, measure_candidates), rounds=3 if measure_candidates else 1,
+                                     solver=options.solver)  # fmt: skip
         measured = True
     elif measured:
         from gradckpt.apply.select import fastest_measured
