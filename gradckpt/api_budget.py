@@ -54,6 +54,7 @@ __all__ = [
     "budget_profile",
     "check_step_arguments",
     "held_bytes",
+    "resident_bytes",
     "resolve_budget",
     "training_step",
 ]
@@ -115,16 +116,22 @@ def held_bytes(model: nn.Module, optimizer: Any) -> int:
     Example:
         >>> held_bytes(model, opt)  # 0 before the first backward and step
     """
-    return _held(model, optimizer) - sum(
+    return resident_bytes(model, optimizer) - sum(
         storage_sizes([*model.parameters(), *model.buffers()]).values()
     )
 
 
-def _held(model: nn.Module, optimizer: Any) -> int:
-    """Bytes this process already holds that the step also holds (the device's free
-    memory no longer includes them): parameters, gradients, a live optimizer's state."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+def resident_bytes(model: nn.Module, optimizer: Any = None, others: Any = ()) -> int:
+    """Bytes resident now that a training step holds throughout (each storage once): the
+    parameters, buffers and gradients of ``model`` and of ``others`` (modules such as a
+    reference model), and a live ``optimizer``'s state.
+
+    Example:
+        >>> resident_bytes(model, opt)  # after a step: params + grads + AdamW's two moments
+    """
+    modules = [model, *others]
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     if isinstance(optimizer, torch.optim.Optimizer):
         tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return sum(storage_sizes(tensors).values())
@@ -146,7 +153,7 @@ def resolve_budget(
     if kind != "device":
         return budget, None
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
-    device = device_memory(where, held_bytes=_held(model, optimizer))
+    device = device_memory(where, held_bytes=resident_bytes(model, optimizer))
     logger.info("gradckpt: %s", device.line())
     return device.budget_bytes, device
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from gradckpt.api import fit
+from gradckpt.api_budget import resident_bytes
 from gradckpt.measure.allocator import AllocatorTracker, foreign_profiler_running
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.planning.budget import BudgetError, check_budget, read_budget
@@ -250,19 +251,12 @@ def held_bytes(
     optimizer: torch.optim.Optimizer | None = None,
     others: Iterable[nn.Module] = (),
 ) -> int:
-    """Bytes resident now that a training step holds throughout: the parameters, buffers and
-    gradients of ``model`` and ``others``, and ``optimizer``'s state (each storage once).
+    """:func:`gradckpt.api_budget.resident_bytes`: what a training step holds throughout.
 
     Example:
         >>> held_bytes(model, opt)  # after a step: params + grads + AdamW's two moments
     """
-    modules = [model, *others]
-    tensors: list[torch.Tensor] = list(_module_tensors(modules))
-    tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    return sum(storage_sizes(tensors).values())
+    return resident_bytes(model, optimizer, others)
 
 
 def _other_bytes(model: nn.Module, others: Iterable[nn.Module]) -> int:
