@@ -381,8 +381,8 @@ BENCHMARKS = (
     Benchmark("frontier benchmark", 60, "frontier", _frontier_stage),
     Benchmark("offload contenders", 60, "offload", _offload_stage),
     Benchmark("hf_models benchmark", 30, "note", _hf_stage),
-    Benchmark("compiled benchmark", 300, "note", _compiled_stage),
     Benchmark("tune benchmark", 120, "note", _tune_stage),
+    Benchmark("compiled benchmark", 300, "note", _compiled_stage),
 )
 
 

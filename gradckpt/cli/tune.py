@@ -189,6 +189,7 @@ def run_tune(args: argparse.Namespace, out: Out) -> int:
                 target.model, target.make_loss, budget, optimizer=optimizer,
                 global_batch=args.global_batch, batch_sizes=args.batch_sizes,
                 set_to_none=not args.zero_grads, rounds=args.rounds, blocks=blocks,
+                progress=lambda line: out.print(f"  {line}"),
             )  # fmt: skip
         except BudgetError as e:
             least = e.least_peak_bytes

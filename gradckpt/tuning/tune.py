@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -87,6 +87,7 @@ def tune(
     top: int = 2,
     rounds: int = 3,
     blocks: BlockSpec = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TuneResult:
     """The micro-batch, accumulation and plan with the most samples per second in ``budget``.
 
@@ -105,6 +106,8 @@ def tune(
         top: gradckpt candidates measured, besides the largest plain and per-layer ones.
         rounds: real runs per measured candidate.
         blocks: the model's repeated blocks, if not found automatically.
+        progress: called with one line per candidate predicted and per candidate run
+            (the CLI prints them).
 
     Returns:
         A :class:`TuneResult`; ``result.apply(model)`` installs its plan.
@@ -141,6 +144,10 @@ def tune(
     opt_seconds = optimizer_seconds(model, make_loss(min(fakes)), optimizer) if times.real else 0.0
     rows = predict_candidates(fakes, step_for, budget_bytes, times, opt_seconds, samples)
     planning = time.perf_counter() - started
+    say = progress or (lambda line: None)
+    for b in sorted(fakes):
+        parts = [_said(r) for r in rows if r.micro_batch == b]
+        say(f"micro-batch {b} x {accumulation(b)}: " + "; ".join(parts))
     picked = _to_measure(rows, top)
     if not picked:
         least = min((r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes), default=None)
@@ -152,12 +159,21 @@ def tune(
     state = step1.state_bytes
     measured = run_candidates(model, make_loss, picked, budget_bytes, state, opt_seconds, samples,
                               rounds)  # fmt: skip
+    for m in measured:
+        rate = f"{m.measured_samples_per_s:.2f} samples/s" if m.measured_samples_per_s else m.verdict
+        say(f"ran micro-batch {m.micro_batch} x {m.accumulation_steps} {m.strategy}: {rate}")
     measuring = time.perf_counter() - started - planning
     best = _fastest(measured)
     final = [_verdict(r, measured, best) for r in rows]
     plan: Plan = annotated(replace(best.plan, budget_bytes=budget_bytes), device)  # type: ignore[arg-type]
     return TuneResult(best.micro_batch, best.accumulation_steps, best.strategy, plan,
                       budget_bytes, tuple(final), planning, measuring, times.method)  # fmt: skip
+
+
+def _said(r: TuneCandidate) -> str:
+    if r.predicted_samples_per_s is None:
+        return f"{r.strategy} over budget"
+    return f"{r.strategy} {r.predicted_samples_per_s:.2f} samples/s predicted"
 
 
 def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks) -> dict[int, Profile]:

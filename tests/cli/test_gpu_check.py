@@ -57,7 +57,7 @@ def test_benchmark_table_names_functions_that_exist():
     titles = [b.title for b in gpu_check.BENCHMARKS]
     assert titles == [
         "whole-step budget", "frontier benchmark", "offload contenders", "hf_models benchmark",
-        "compiled benchmark", "tune benchmark",
+        "tune benchmark", "compiled benchmark",
     ]
     assert callable(gpu_whole_step.run_whole_step_check)
     assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
