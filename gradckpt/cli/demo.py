@@ -2,12 +2,14 @@
 
 On an embedded model (the GPT of :mod:`gradckpt.testing`, synthetic tokens, CPU):
 
-1. measure the plain training step and the memory-time frontier;
+1. measure the plain training step, whole (AdamW's state and step counted), and
+   the memory-time frontier;
 2. plan for the budget (default: half the plain peak);
 3. train two copies from the same weights and seed, one plain and one with the
-   plan applied, step for step: the first step of each is measured for peak
-   memory, the others are timed in alternation (plain/planned, then
-   planned/plain) for the overhead;
+   plan applied, step for step: the first two whole steps of each (the second
+   with AdamW's state resident) are measured at the allocator for peak memory,
+   the others are timed in alternation (plain/planned, then planned/plain) for
+   the overhead;
 4. print the plan, measured peak vs budget vs plain, the overhead, and whether
    the two loss curves are identical; write the frontier PNG, the plan and the
    numbers under ``--out``.
@@ -69,23 +71,31 @@ def _synthetic_batch(g: torch.Generator, batch: int, seq: int, vocab: int) -> to
 
 
 def _step(run: Run, seed: int, tracked: bool) -> float:
-    """Forward and backward from a fixed RNG state; returns the loss, records time or peak."""
-    from gradckpt.measure import MemoryTracker
+    """One whole training step from a fixed RNG state; returns the loss, records time or peak.
+
+    A tracked step is measured at the allocator from ``zero_grad`` to the end of
+    ``optimizer.step()``, with what was resident when it began (parameters, the
+    optimizer's state): the whole step's peak, what the budget holds.
+    """
+    from gradckpt.api_budget import resident_bytes
+    from gradckpt.measure import AllocatorTracker
 
     model = run.example.model
     run.optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in both copies
     if tracked:
-        with MemoryTracker(model) as tracker:
+        resident = resident_bytes(model, run.optimizer)
+        with AllocatorTracker() as tracker:
             loss = run.example.loss_fn()
             loss.backward()
-        run.peak = tracker.peak_bytes
+            run.optimizer.step()
+        run.peak = max(run.peak, resident + tracker.peak_bytes)
     else:
         start = time.perf_counter()
         loss = run.example.loss_fn()
         loss.backward()
         run.times.append(time.perf_counter() - start)
-    run.optimizer.step()
+        run.optimizer.step()
     value = loss.item()
     run.losses.append(value)
     return value
@@ -111,16 +121,23 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
         f"tokens, CPU, {torch.get_num_threads()} thread(s)"
     )
 
-    # 1. the plain step and the frontier
+    runs = [
+        Run("plain", plain, torch.optim.AdamW(plain.model.parameters(), lr=LR)),
+        Run("planned", planned, torch.optim.AdamW(planned.model.parameters(), lr=LR)),
+    ]
+
+    # 1. the plain step and the frontier, for the whole training step (AdamW counted)
     with out.status("[1/4] profiling the plain training step ..."):
-        prof = gradckpt.profile(planned.model, planned.loss_fn, repeats=2)
+        prof = gradckpt.profile(planned.model, planned.loss_fn, repeats=2,
+                                optimizer=runs[1].optimizer)  # fmt: skip
         planner = gradckpt.Planner(prof)  # chain and DP built once for all that follows
         points = planner.frontier()
     plain_peak = prof.measured_peak_bytes
     least = least_peak(planner)
     out.print(
-        f"[1/4] plain step: peak {format_bytes(plain_peak)} (parameters "
-        f"{format_bytes(prof.param_bytes)}), {ms(prof.step_time)}; least feasible peak "
+        f"[1/4] plain step: peak {format_bytes(plain_peak)} for the whole training step "
+        f"(parameters {format_bytes(prof.param_bytes)}, AdamW's state "
+        f"{format_bytes(prof.step.state_bytes)}), {ms(prof.step_time)}; least feasible peak "
         f"{format_bytes(least)} ({least / plain_peak:.0%} of plain)"
     )
 
@@ -142,15 +159,13 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
         f"{describe_plan(plan)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
         f"predicted overhead {pct(plan.predicted_overhead)}"
     )
+    for line in plan.step.lines():
+        out.print(line)
     plan_units_table(out, explanation)
     plan.save(outdir / "plan.json")
 
     # 3. train both copies
     gradckpt.apply(planned.model, plan)
-    runs = [
-        Run("plain", plain, torch.optim.AdamW(plain.model.parameters(), lr=LR)),
-        Run("planned", planned, torch.optim.AdamW(planned.model.parameters(), lr=LR)),
-    ]
     data = torch.Generator().manual_seed(args.seed + 1)
     out.print(f"[3/4] training both copies for {args.steps} steps (AdamW, lr {LR})")
     with out.progress(args.steps, "training") as bar:
@@ -161,7 +176,7 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
                 run.example.inputs["targets"].copy_(tokens[:, 1:])
             order = runs if i % 2 == 0 else runs[::-1]  # alternate who goes first
             for run in order:
-                _step(run, args.seed + i, tracked=i == 0)
+                _step(run, args.seed + i, tracked=i < 2)  # the 2nd with AdamW's state
             a, b = runs[0].losses[-1], runs[1].losses[-1]
             bar.advance(f"loss {a:.4f} plain, {b:.4f} planned")
     gradckpt.remove(planned.model)
