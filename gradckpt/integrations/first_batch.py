@@ -219,6 +219,27 @@ class FirstBatchBudget:
         self.plan: Plan | None = None
         self.report: BudgetReport | None = None
 
+    # The steps under the plan being measured, and the trainer's step count when they began.
+    _measuring: StepsMeasurement | None = None
+    _first_step = 0
+
+    def _abort_measuring(self) -> None:
+        measuring, self._measuring = self._measuring, None
+        if measuring is not None:
+            measuring.abort()
+
+    def _measured_steps(self, global_step: int) -> int | None:
+        """End the measurement; the report now says what it measured. The number of
+        optimizer steps it covered, or None when there was nothing to report."""
+        measuring, self._measuring = self._measuring, None
+        peak = measuring.finish() if measuring is not None else None
+        if peak is None or self.report is None:
+            return None
+        steps = min(MEASURED_STEPS, global_step - self._first_step)
+        self.report = self.report.measured(peak, steps)
+        logger.info("%s", self.report.line())
+        return steps
+
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer inside a trainer's wrapper (accelerate's ``AcceleratedOptimizer``,

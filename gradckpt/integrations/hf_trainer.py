@@ -59,7 +59,6 @@ from gradckpt.integrations.first_batch import (
     FirstBatchBudget,
     StepsMeasurement,
     fit_on_batch,
-    logger,
     torch_optimizer,
 )
 
@@ -147,8 +146,6 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
     _attached: Trainer | None = None
     _wrapped: tuple[_Wrapped, ...] = ()
     _planning = False
-    _measuring: StepsMeasurement | None = None
-    _first_step = 0
     _logged_plan = False
     _optimizer: torch.optim.Optimizer | None = None
     _accumulation = 1
@@ -274,25 +271,19 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
             try:
                 return original(*args, **kwargs)
             except BaseException:
-                if self._measuring is not None:
-                    self._measuring.abort()
-                    self._measuring = None
+                self._abort_measuring()
                 raise
 
         return training_step
 
     def _finish_measuring(self, state: Any) -> None:
-        measuring, self._measuring = self._measuring, None
-        peak = measuring.finish() if measuring is not None else None
-        if peak is None or self.report is None:
+        steps = self._measured_steps(state.global_step)
+        if steps is None:
             return
-        steps = min(MEASURED_STEPS, state.global_step - self._first_step)
-        self.report = self.report.measured(peak, steps)
-        logger.info("%s", self.report.line())
         state.log_history.append(
             {
                 "gradckpt_budget_bytes": self.report.budget_bytes,
-                "gradckpt_measured_peak_bytes": peak,
+                "gradckpt_measured_peak_bytes": self.report.measured_peak_bytes,
                 "gradckpt_measured_steps": steps,
                 "step": state.global_step,
             }

@@ -47,7 +47,6 @@ from gradckpt.integrations.first_batch import (
     FirstBatchBudget,
     StepsMeasurement,
     fit_on_batch,
-    logger,
     torch_optimizer,
 )
 
@@ -100,8 +99,6 @@ class BudgetCallback(FirstBatchBudget, Callback):
     """
 
     # Until the first batch: not measuring.
-    _measuring: StepsMeasurement | None = None
-    _first_step = 0
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int
@@ -150,19 +147,11 @@ class BudgetCallback(FirstBatchBudget, Callback):
             self._finish_measuring(trainer)
 
     def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
-        measuring, self._measuring = self._measuring, None
-        if measuring is not None:
-            measuring.abort()
+        self._abort_measuring()
 
     def _finish_measuring(self, trainer: Any) -> None:
-        measuring, self._measuring = self._measuring, None
-        peak = measuring.finish() if measuring is not None else None
-        if peak is None or self.report is None:
-            return
-        steps = min(MEASURED_STEPS, trainer.global_step - self._first_step)
-        self.report = self.report.measured(peak, steps)
-        logger.info("%s", self.report.line())
-        self._log(trainer, planned=False)
+        if self._measured_steps(trainer.global_step) is not None:
+            self._log(trainer, planned=False)
 
     def _log(self, trainer: Any, *, planned: bool) -> None:
         r = self.report
