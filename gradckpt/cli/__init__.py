@@ -40,29 +40,40 @@ def _budget(text: str):
     return budget_arg(text)
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        lengths = []
-    if not lengths or any(n <= 0 for n in lengths):
-        raise argparse.ArgumentTypeError(
-            f"expected positive sequence lengths separated by commas (e.g. 128,256,512), got {text!r}"
-        )
-    return lengths
+def positive_ints(what: str, example: str):
+    """An argparse type: whole numbers >= 1 separated by commas, named ``what`` in errors."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or any(n < 1 for n in values):
+            raise argparse.ArgumentTypeError(
+                f"expected {what} separated by commas (e.g. {example}), got {text!r}"
+            )
+        return values
+
+    return parse
 
 
-def _micro_batches(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(
-            f"micro-batches per optimizer step are a whole number >= 1 "
-            f"(1: no accumulation), got {text!r}"
-        )
-    return k
+def positive_int(what: str):
+    """An argparse type: one whole number >= 1, ``what`` it counts named in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{what} are a whole number >= 1, got {text!r}")
+        return n
+
+    return parse
+
+
+_lengths = positive_ints("positive sequence lengths", "128,256,512")
+_micro_batches = positive_int("micro-batches per optimizer step (1: no accumulation)")
 
 
 def _step_flags(p: argparse.ArgumentParser, what: str) -> None:

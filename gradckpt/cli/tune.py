@@ -42,31 +42,12 @@ HINT = (
 )
 
 
-def _whole(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of samples >= 1, got {text!r}")
-    return n
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(
-            f"expected micro-batch sizes >= 1 separated by commas (e.g. 1,2,4), got {text!r}"
-        )
-    return sizes
-
-
 def add_parser(sub: Any) -> None:
     """The ``tune`` subcommand and its flags."""
-    from gradckpt.cli import _budget, _common
+    from gradckpt.cli import _budget, _common, positive_int, positive_ints
+
+    _whole = positive_int("samples per optimizer step")
+    _sizes = positive_ints("micro-batch sizes >= 1", "1,2,4")
 
     p = sub.add_parser(
         "tune", help="the micro-batch size and plan that train fastest in a budget",
