@@ -83,7 +83,7 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.compiled_report import paired_stats
-from benchmarks.whole_step import resident_bytes
+from gradckpt.api_budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, time_interleaved
 from gradckpt.measure.timing import work_clock
 
@@ -184,12 +184,13 @@ def per_layer(model: nn.Module) -> None:
 def whole_step_peak(
     model: nn.Module, opt: torch.optim.Optimizer, step: Callable[[], None], device: str
 ) -> int:
-    """Allocator high-water over ``PEAK_STEPS`` whole steps plus what existed at entry."""
+    """Allocator high-water over ``PEAK_STEPS`` whole steps plus what existed at entry; on
+    CUDA the caching allocator's reserved high-water when higher (what an OOM sees)."""
     at_entry = resident_bytes(model, opt)
     with AllocatorTracker(device) as allocator:
         for _ in range(PEAK_STEPS):
             step()
-    return at_entry + allocator.peak_bytes
+    return max(at_entry + allocator.peak_bytes, allocator.reserved_high_water_bytes or 0)
 
 
 def _sync(device: str) -> None:

@@ -69,7 +69,8 @@ from benchmarks.common import (
     settle,
     write_results,
 )
-from gradckpt.measure import AllocatorTracker, optimizer_memory, state_bytes, storage_key
+from gradckpt.api_budget import resident_bytes
+from gradckpt.measure import AllocatorTracker, optimizer_memory, storage_key
 from gradckpt.planning.budget import BudgetError
 from gradckpt.testing import Example
 
@@ -172,15 +173,6 @@ def real_state_bytes(opt: torch.optim.Optimizer) -> int:
         elif isinstance(item, (list, tuple)):
             todo.extend(item)
     return sum(seen.values())
-
-
-def resident_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """What the step holds that exists before a tracked region, which the allocator's
-    high-water above its entry level leaves out: parameters and buffers, gradients already
-    set, and optimizer state already made (Adagrad makes its state in the constructor)."""
-    grads = {storage_key(p.grad): p.grad.untyped_storage().nbytes()
-             for p in model.parameters() if p.grad is not None}  # fmt: skip
-    return state_bytes(model) + sum(grads.values()) + real_state_bytes(opt)
 
 
 def formulas(model: nn.Module, setup: Setup) -> dict[str, Any]:
