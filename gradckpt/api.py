@@ -216,7 +216,11 @@ def plan(
     offload_opts = _offload_for(offload, solver)
     held = held_bytes(model, optimizer)
     options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
-    if shapes is None:  # planned within the budget (never the plain step above it)
+    if shapes is None and profile is not None:  # plans from the profile: loss_fn never runs
+        whole = with_training_step(profile, step)
+        planner = Planner(whole, segments=segments, offload=offload_opts)
+        return annotated(planner.plan(budget, solver), device)
+    if shapes is None:  # profiled within the budget (never the plain step above it)
         return annotated(api_shapes.plan_fitted(model, loss_fn, budget, options)[1], device)
     fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
     first = annotated(first, device)
