@@ -216,6 +216,13 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
     leanest, pred = least_peak_plan(profile, segments=segments)
     if pred.peak_bytes <= budget:
         return _polished(profile, leanest, pred, budget, model, segments)
+    if least is not None:
+        # At the edge of feasibility a schedule for a larger DP budget can peak lower than
+        # the ones tried (the peak is not monotone in it): scan the whole range, as the
+        # frontier does, so no budget a frontier point reaches is refused.
+        found = _scanned(profile, model, dp, least, budget)
+        if found is not None:
+            return _polished(profile, *found, budget, model, segments)
     raise BudgetError(
         f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
         f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
@@ -232,6 +239,21 @@ def _resident(profile: Profile) -> str:
     if not profile.resident_bytes:
         return ""
     return f", held through the step (optimizer state, resident gradients) {format_bytes(profile.resident_bytes)}"
+
+
+def _scanned(
+    profile: Profile, model: ChainModel, dp: ChainDP, least: int, budget: int, points: int = 32
+) -> tuple[Plan, Prediction] | None:
+    """The fastest DP schedule that fits ``budget`` among ``points`` spread over the DP's range."""
+    top = model.chain.capacity
+    best: tuple[Plan, Prediction] | None = None
+    for i in range(points):
+        m = least + round(i * (top - least) / (points - 1))
+        plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
+        pred = simulate(profile, plan)
+        if pred.peak_bytes <= budget and (best is None or pred.step_time < best[1].step_time):
+            best = (plan, pred)
+    return best
 
 
 def _written(nbytes: int) -> str:
