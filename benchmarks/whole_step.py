@@ -70,7 +70,8 @@ from benchmarks.common import (
     write_results,
 )
 from gradckpt.api_budget import resident_bytes
-from gradckpt.measure import AllocatorTracker, optimizer_memory, storage_key
+from gradckpt.measure import AllocatorTracker, optimizer_memory
+from gradckpt.measure.optimizer import optimizer_state_sizes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.testing import Example
 
@@ -162,17 +163,7 @@ def train(ex: Example, opt: torch.optim.Optimizer, k: int, steps: int = STEPS) -
 
 def real_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``opt.state`` (nested too), each storage once."""
-    seen: dict[int, int] = {}
-    todo: list[Any] = list(opt.state.values())
-    while todo:
-        item = todo.pop()
-        if isinstance(item, torch.Tensor):
-            seen[storage_key(item)] = item.untyped_storage().nbytes()
-        elif isinstance(item, dict):
-            todo.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            todo.extend(item)
-    return sum(seen.values())
+    return sum(optimizer_state_sizes(opt).values())
 
 
 def formulas(model: nn.Module, setup: Setup) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.memory import format_bytes, storage_sizes
-from gradckpt.measure.optimizer import optimizer_memory
+from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
 from gradckpt.planning.budget import read_budget
 from gradckpt.planning.plan import Plan
 from gradckpt.planning.whole_step import check_floor, with_training_step
@@ -132,9 +132,10 @@ def resident_bytes(model: nn.Module, optimizer: Any = None, others: Any = ()) ->
     modules = [model, *others]
     tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
     tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    sizes = storage_sizes(tensors)
     if isinstance(optimizer, torch.optim.Optimizer):
-        tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(storage_sizes(tensors).values())
+        sizes.update(optimizer_state_sizes(optimizer))  # the same storage keys
+    return sum(sizes.values())
 
 
 def resolve_budget(

@@ -33,7 +33,13 @@ from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import MemoryTracker
 from gradckpt.measure.storages import storage_key
 
-__all__ = ["OptimizerMemory", "OptimizerMemoryError", "fresh_optimizer", "optimizer_memory"]
+__all__ = [
+    "OptimizerMemory",
+    "OptimizerMemoryError",
+    "fresh_optimizer",
+    "optimizer_memory",
+    "optimizer_state_sizes",
+]
 
 _NAMES = {n.lower(): n for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adafactor")}
 _WAY_OUT = "pass optimizer=None to plan without counting the optimizer"
@@ -242,8 +248,12 @@ def _truthy(value: Any) -> bool:
         return bool(value.item())
 
 
-def _state_storages(opt: Optimizer) -> dict[int, int]:
-    """Storage key -> bytes, over every tensor in ``opt.state`` (nested too), each once."""
+def optimizer_state_sizes(opt: Optimizer) -> dict[int, int]:
+    """Storage key -> bytes, over every tensor in ``opt.state`` (nested too), each once.
+
+    Example:
+        >>> sum(optimizer_state_sizes(opt).values())  # AdamW after a step: 2 x params + steps
+    """
     found: dict[int, int] = {}
     todo: list[Any] = list(opt.state.values())
     while todo:
@@ -301,7 +311,7 @@ def _replay(spec: _Spec, device: torch.device | None) -> OptimizerMemory:
             opt.step()
         with _StepTracker(placeholders) as later:
             opt.step()
-    state = _state_storages(opt)
+    state = optimizer_state_sizes(opt)
     # Tensors made from Python data (torch.tensor(0.) for 'step') reach no op the
     # tracker sees; they are alive at the end, so count them in the first step.
     unseen = sum(n for key, n in state.items() if key not in first.alive)
@@ -342,7 +352,7 @@ def _measure(spec: _Spec, device: torch.device | None, why_not_fake: str) -> Opt
             f"{spec.cls.__name__}.step() runs neither on fake tensors ({why_not_fake}) "
             f"nor for real ({_one_line(e)})"
         ) from e
-    state = sum(_state_storages(opt).values())
+    state = sum(optimizer_state_sizes(opt).values())
     return OptimizerMemory(name, state, first.peak_bytes, later.peak_bytes, "measured")
 
 

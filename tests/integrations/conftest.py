@@ -65,3 +65,17 @@ def _launch(script: str, args: list[str], out_dir: Path, world: int, timeout_s: 
 def launch_ranks():
     """:func:`_launch`: ``launch_ranks(__file__, args, out_dir, world, timeout_s)``."""
     return _launch
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Fixed random token sequences, labels = inputs (causal LM), for the Trainer tests."""
+
+    def __init__(self, n: int = 16, seed: int = 3, *, vocab: int = 128, seq: int = 32) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -29,25 +29,17 @@ from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import hf_example
 from gradckpt.measure import AllocatorTracker, format_bytes, state_bytes
 
+from .conftest import TokenData
+
 SEQ, VOCAB, BATCH, STEPS = 128, 512, 4, 5
 FRACTION = 0.6  # of the plain whole step's measured peak, given to the callback in bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tokens() -> TokenData:
+    return TokenData(64, vocab=VOCAB, seq=SEQ)
 log = logging.getLogger(__name__)
-
-
-class TokenData(torch.utils.data.Dataset):
-    """Fixed random token sequences, labels = inputs (causal LM)."""
-
-    def __init__(self, n: int = 64, seed: int = 3) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _hf_model(name: str) -> torch.nn.Module:
@@ -61,7 +53,7 @@ def _hf_train(tmp_path, model, callbacks=(), accumulation=1, max_steps=STEPS):
         gradient_accumulation_steps=accumulation, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=list(callbacks))
+    trainer = Trainer(model=model, args=args, train_dataset=_tokens(), callbacks=list(callbacks))
     held = state_bytes(model)
     with AllocatorTracker() as tracker:
         trainer.train()
@@ -123,7 +115,7 @@ def test_attach_when_the_trainer_is_not_on_the_stack(tmp_path):
     model = _hf_model("gpt2")
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=BATCH,
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData())
+    trainer = Trainer(model=model, args=args, train_dataset=_tokens())
     callback = BudgetCallback(0.9, repeats=1, measure_candidates=0)
     # Called from outside any Trainer method: not found on the stack, nor attached.
     with pytest.raises(RuntimeError, match="attach"):

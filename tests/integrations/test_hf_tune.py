@@ -24,22 +24,17 @@ from gradckpt.integrations.hf import BudgetCallback, tune_training_args
 from gradckpt.integrations.hf_zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 
+from .conftest import TokenData
+
 VOCAB, SEQ = 128, 32
 
 
-class TokenData(torch.utils.data.Dataset):
-    """Fixed random token sequences (labels = inputs) and an index the model does not take."""
-
-    def __init__(self, n: int = 16, seed: int = 3) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
+class IndexedTokens(TokenData):
+    """Token sequences (labels = inputs) and an index the model does not take."""
 
     def __getitem__(self, i: int) -> dict:
         # "idx" is no argument of GPT-2's forward: the Trainer drops it, so must the tuner.
-        return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": i}
+        return {**super().__getitem__(i), "idx": i}
 
 
 def _args(tmp_path, **options) -> TrainingArguments:
@@ -59,7 +54,7 @@ def tuned(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         model = hf_example("gpt2", layers=3).model
-        ids = TokenData().ids[:8]
+        ids = IndexedTokens(vocab=VOCAB, seq=SEQ).ids[:8]
         with warnings.catch_warnings():  # "planned with use_cache=False": the callback sees to it
             warnings.simplefilter("ignore")
             plain = gradckpt.profile(
@@ -67,7 +62,7 @@ def tuned(tmp_path_factory):
             )
         budget = int(0.8 * plain.measured_peak_bytes)  # the plain micro-batch of 8 does not fit
         args = _args(tmp_path_factory.mktemp("tune"))
-        yield model, args, budget, tune_training_args(model, args, TokenData(), budget=budget)
+        yield model, args, budget, tune_training_args(model, args, IndexedTokens(vocab=VOCAB, seq=SEQ), budget=budget)
     finally:
         torch.set_num_threads(threads)
 
@@ -95,7 +90,7 @@ def test_the_global_batch_is_kept_and_every_other_argument(tuned):
 
 def test_training_with_the_tuned_args_stays_within_the_budget(tuned, tmp_path, one_thread):
     model, _, budget, (new_args, callback, result) = tuned
-    trainer = Trainer(model=model, args=new_args, train_dataset=TokenData(), callbacks=[callback])
+    trainer = Trainer(model=model, args=new_args, train_dataset=IndexedTokens(vocab=VOCAB, seq=SEQ), callbacks=[callback])
     held = state_bytes(model)
     with AllocatorTracker() as at:
         trainer.train()
@@ -118,7 +113,7 @@ def test_a_ready_plan_for_other_accumulation_warns(tuned, tmp_path, one_thread):
     args = _args(tmp_path, max_steps=1, per_device_train_batch_size=result.micro_batch,
                  gradient_accumulation_steps=other)  # fmt: skip
     callback = BudgetCallback(budget, plan=result.plan)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=IndexedTokens(vocab=VOCAB, seq=SEQ), callbacks=[callback])
     with pytest.warns(UserWarning, match=f"made for {result.accumulation_steps} micro-batches"):
         trainer.train()
     assert gradckpt.applied_plan(model) is result.plan
@@ -129,7 +124,7 @@ def test_arguments_are_checked(tuned):
     with pytest.raises(TypeError, match=r"gradckpt\.Plan"):
         BudgetCallback("1GiB", plan=result.plan.to_json())
     with pytest.raises(TypeError, match="TrainingArguments"):
-        tune_training_args(model, dataclasses.asdict(args), TokenData())
+        tune_training_args(model, dataclasses.asdict(args), IndexedTokens(vocab=VOCAB, seq=SEQ))
     with pytest.raises(ValueError, match="empty"):
         tune_training_args(model, args, [], budget="1GiB")
     assert hf.tune_training_args is tune_training_args  # the lazy export

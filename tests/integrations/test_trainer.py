@@ -23,6 +23,8 @@ import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import hf_example
 
+from .conftest import TokenData
+
 # transformers 5.x renamed TrainingArguments.gradient_checkpointing (the old name warns).
 _OWN_SWITCH = (
     "activation_checkpointing"
@@ -31,20 +33,6 @@ _OWN_SWITCH = (
 )
 BUDGET = 0.85  # of the plain peak; the tiny GPT-2 cannot go much lower
 VOCAB, SEQ = 128, 32
-
-
-class TokenData(torch.utils.data.Dataset):
-    """Fixed random token sequences, labels = inputs (causal LM)."""
-
-    def __init__(self, n: int = 16, seed: int = 3) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
