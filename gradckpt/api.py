@@ -9,9 +9,8 @@ apply/; the shape side of ``plan``/``fit`` in :mod:`gradckpt.api_shapes`.
 
 from __future__ import annotations
 
-import numbers
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from gradckpt.api_budget import (
     held_bytes,
     training_step,
 )
+from gradckpt.api_checks import check_arguments
 from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
@@ -34,7 +34,7 @@ from gradckpt.planning.offload_cost import OffloadOptions, offload_options
 from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.planset import PlanSet, ShapeKey
-from gradckpt.planning.solvers import SOLVERS, Solver
+from gradckpt.planning.solvers import Solver
 from gradckpt.planning.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
@@ -44,55 +44,6 @@ from gradckpt.profiling.units import BlockSpec
 __all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
 
 LossFn = Callable[[], torch.Tensor]
-
-
-_UNSET: Any = object()
-
-
-def _check_arguments(
-    model: object,
-    loss_fn: object,
-    budget: object = _UNSET,
-    *,
-    blocks: object = None,
-    solver: object = "dp",
-    repeats: object = 3,
-    profile: object = None,
-    segments: object = True,
-) -> None:
-    """Refuse bad arguments in the user's terms, before anything is profiled."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(
-            "loss_fn must be a zero-argument callable that runs one forward and returns the "
-            f"loss (e.g. lambda: model(**batch).loss), got {type(loss_fn).__name__}"
-        )
-    if budget is not _UNSET:
-        check_budget(budget)
-    if blocks is not None and not callable(blocks):
-        listed = isinstance(blocks, Collection) and not isinstance(blocks, str)
-        if not listed or not all(isinstance(p, str) for p in blocks):
-            raise TypeError(
-                "blocks= takes a list of module paths (e.g. ['layers.0', 'layers.1'], from "
-                f"model.named_modules()) or a predicate (path, module) -> bool; got {blocks!r}"
-            )
-    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral):
-        raise TypeError(f"repeats= is a whole number of profiled steps (e.g. 3), got {repeats!r}")
-    if repeats < 1:
-        raise ValueError(f"repeats= must be at least 1 (profiled steps), got {repeats}")
-    if profile is not None and not isinstance(profile, Profile):
-        raise TypeError(
-            "profile= takes a Profile made by gradckpt.profile(model, loss_fn), got "
-            f"{type(profile).__name__}"
-        )
-    if isinstance(solver, str):
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
-    elif not callable(solver):
-        raise TypeError(f"solver= is a name from {sorted(SOLVERS)} or a callable, got {solver!r}")
-    if not isinstance(segments, bool):
-        raise TypeError(f"segments= is True or False, got {segments!r}")
 
 
 def profile(
@@ -115,7 +66,7 @@ def profile(
         >>> prof = gradckpt.profile(model, loss_fn, fake=True)
         >>> whole = gradckpt.profile(model, loss_fn, optimizer=opt, accumulation_steps=4)
     """
-    _check_arguments(
+    check_arguments(
         model, loss_fn, blocks=options.get("blocks"), repeats=options.get("repeats", 3)
     )
     step = training_step(model, optimizer, accumulation_steps, set_to_none)  # checks them first
@@ -208,7 +159,7 @@ def plan(
         >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
         >>> print(p.summary())
     """
-    _check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
+    check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
                      profile=profile, segments=segments)  # fmt: skip
     budget, device, step = budget_and_step(  # the step's arguments are checked first
         model, budget, optimizer, accumulation_steps, set_to_none
@@ -314,7 +265,7 @@ def fit(
         >>> print(gradckpt.shape_stats(model).summary())
         >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
     """
-    _check_arguments(
+    check_arguments(
         model,
         loss_fn,
         budget,
@@ -414,7 +365,7 @@ def frontier(
         >>> for point in gradckpt.frontier(model, loss_fn):
         ...     print(point.peak_bytes, f"{point.overhead:+.1%}")
     """
-    _check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
+    check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     options = PlanOptions(blocks=blocks, repeats=repeats, profile=profile)
     offload_opts = _offload_for(offload, "dp")
     return Planner(_profile(model, loss_fn, options), offload=offload_opts).frontier(points)
@@ -456,7 +407,7 @@ def explain(
     else:
         if loss_fn is None:
             raise TypeError("explain(model, loss_fn): a model needs its loss_fn")
-        _check_arguments(model_or_profile, loss_fn, blocks=blocks)
+        check_arguments(model_or_profile, loss_fn, blocks=blocks)
         if plan is None and budget is None:
             plan = applied_plan(model_or_profile)
         prof = profile_step(model_or_profile, loss_fn, blocks=blocks, repeats=1)

@@ -47,6 +47,7 @@ _WHERE = (
     ("gradckpt.apply", "apply"),
     ("gradckpt.api_shapes", "api"),
     ("gradckpt.api_budget", "api"),
+    ("gradckpt.api_checks", "api"),
     ("gradckpt.tuning.", "api"),
     ("gradckpt.tuning", "api"),
     ("gradckpt.api", "api"),
