@@ -21,9 +21,7 @@ loopback port, each writing its results with ``torch.save``.
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -97,15 +95,9 @@ def _run_rank(rank: int) -> dict:
 
 
 def _main(out_dir: str) -> None:
-    import torch.distributed as dist
+    from _ranks import run_rank
 
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.save(_run_rank(rank), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    run_rank(lambda rank, world: _run_rank(rank), out_dir)
 
 
 @pytest.fixture(scope="module")

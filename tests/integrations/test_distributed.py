@@ -10,9 +10,7 @@ averages the gradients (what the collectives compute).
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,16 +149,9 @@ def _ddp_rank(rank: int, world: int) -> dict:
 
 
 def _main(scenario: str, out_dir: str) -> None:
-    import torch.distributed as dist
+    from _ranks import run_rank
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = {"fsdp": _fsdp_rank, "ddp": _ddp_rank}[scenario](rank, world)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    run_rank({"fsdp": _fsdp_rank, "ddp": _ddp_rank}[scenario], out_dir)
 
 
 # ------------------------------------------------------------------ launching
