@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradckpt.apply.specs import SegmentSpec, UnitSpec, call_in_region, fsdp_sharded, segment_error
 from gradckpt.engine.frame import Frame
+from gradckpt.engine.handoffs import Handoffs
 from gradckpt.engine.holders import CheckpointError
 
 __all__ = ["SegmentFrame", "open_segment", "run_segment_start"]
@@ -43,6 +44,7 @@ class SegmentFrame(Frame):
         )
         self.segment = spec
         self.units = units
+        self.handoffs = Handoffs()  # .data edits between units: checked before the recompute
         self.calls: list[tuple[list[Any], Any, int]] = []  # flat args, spec, chain position
         self._last_output: weakref.ref | None = None
         self._last_version = 0
@@ -70,6 +72,12 @@ class SegmentFrame(Frame):
             flat, tree = tree_flatten((args, kwargs))
             versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in flat]
             self._raw_inputs[id(module)] = (flat, tree, versions)
+            # What arrives is what the pre-hooks get: the replay runs them again.
+            last = self._last_output() if self._last_output is not None else None
+            path = next((p for p in self.segment.paths if self.units[p].module is module), "")
+            chain = next((x for x in flat if last is not None and x is last), None)
+            if chain is not None:
+                self.handoffs.arrived(chain, path)
 
     def _note_hooked_output(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._exit is not None:  # still the segment's forward
@@ -116,6 +124,7 @@ class SegmentFrame(Frame):
                         "The plan was made for a forward without it: plan the model again "
                         "(no segment will span the edit)."
                     )
+                self.handoffs.arrived(x, spec_path)
                 kept = list(flat)
                 kept[i] = None
                 self.calls.append((kept, tree, i))
@@ -131,6 +140,7 @@ class SegmentFrame(Frame):
         first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
         self._last_output = weakref.ref(first) if first is not None else None
         self._last_version = first._version if first is not None else 0
+        self.handoffs.left(first)
 
     def run_body(self, inputs: list[Any]) -> None:
         # Each unit is called as a module, so its hooks run as in the forward

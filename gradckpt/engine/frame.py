@@ -28,6 +28,7 @@ import torch
 
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import SAVE, TAG, PolicyContext, as_decision
+from gradckpt.engine.handoffs import Handoffs
 from gradckpt.engine.holders import (
     DEBUG_TIP,
     CheckpointError,
@@ -125,6 +126,8 @@ class Frame:
         self._state: ReplayState | None = None
         self._exit: contextlib.ExitStack | None = None
         self._recompute_context: Any = None
+        # A region over several units (a segment) follows what they hand each other.
+        self.handoffs: Handoffs | None = None
 
     # ------------------------------------------------------------------ forward
 
@@ -318,6 +321,8 @@ class Frame:
                 weakref.finalize(
                     group, lambda: (frame := ref()) is not None and frame._release(gid)
                 )
+        if self.handoffs is not None:
+            self.handoffs.check(self.name)
         self.counters[gid] = 0
         self.stops[gid] = alive[-1]
         inputs = self._inputs.get()

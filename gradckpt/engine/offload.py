@@ -7,9 +7,16 @@ forward and comes back when backward gets near it. On
 unit call:
 
 * **pack** (forward): a saved tensor that qualifies (a strided tensor the
-  backend accepts, not an input of the unit, not a parameter or buffer, its
-  storage at least ``min_bytes``) is recorded by storage (views of one storage
-  share one copy) and replaced by a small handle;
+  backend accepts whose storage an op of the unit's forward created, at least
+  ``min_bytes``) is recorded by storage (views of one storage share one copy)
+  and replaced by a small handle. What the unit did not create (its inputs,
+  parameters, buffers, a mask cached as a module attribute, a module-level
+  tensor) is saved by reference: something outside the unit holds it, so a
+  copy out frees nothing and the copy back would be a second device copy the
+  planner never counted (it moves only storages whose producer is inside the
+  unit, :func:`gradckpt.planning.offload_sim.moved_storages`). Which storages
+  the forward created is seen by :class:`CreatedStorages`, a dispatch mode
+  over the unit's forward;
 * **close** (end of the unit's forward): storages that are part of the unit's
   output stay (the next unit holds them anyway); the others are copied out by
   the backend, version counters are checked as autograd would, and the
@@ -40,16 +47,58 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gradckpt.engine.offload_store import HostCopyBackend, OffloadBackend
 
-__all__ = ["OffloadGroup", "OffloadSession", "run_offloaded", "storage_key"]
+__all__ = ["CreatedStorages", "OffloadGroup", "OffloadSession", "run_offloaded", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage while it is alive (views of one storage share it)."""
     return t.untyped_storage().data_ptr()
+
+
+class CreatedStorages(TorchDispatchMode):
+    """Records the storages that ops create while it is active (a unit's forward).
+
+    An op's output storage counts as created unless one of the op's own inputs
+    has it (views, in-place and ``out=`` ops write into existing storages).
+    Costs one Python call per op of an offloaded unit, against copies of its
+    saved bytes; it is the run-time twin of the profile's producers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs: set[int] | None = None
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if type(t) is not torch.Tensor or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.keys or not storage.nbytes():
+                continue
+            if inputs is None:
+                inputs = _input_keys(args, kwargs)
+            if key not in inputs:
+                self.keys.add(key)
+        return out
+
+
+def _input_keys(args: Any, kwargs: Any) -> set[int]:
+    flat, _ = tree_flatten((args, kwargs))
+    keys = set()
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            keys.add(x.untyped_storage().data_ptr())
+        elif isinstance(x, torch.UntypedStorage):  # set_(storage): not a new one
+            keys.add(x.data_ptr())
+    return keys
 
 
 class _Entry:
@@ -96,10 +145,15 @@ class _Saved:
 class OffloadGroup:
     """The saved tensors of one call of one unit."""
 
-    def __init__(self, session: OffloadSession, name: str, exclude: set[int]) -> None:
+    def __init__(
+        self, session: OffloadSession, name: str, exclude: set[int],
+        created: set[int] | None = None,
+    ) -> None:  # fmt: skip
         self.session = session
         self.name = name
         self.exclude = exclude
+        # Storages the unit's forward created (None: not tracked, anything not excluded).
+        self.created = created
         self.entries: dict[int, _Entry] = {}
         # "forward" -> "stashed" (closed, copies started, sources held) -> "host" (sources
         # dropped) -> "loaded" (a load started); or "stashed" -> "loaded" (cancelled).
@@ -116,7 +170,10 @@ class OffloadGroup:
         storage = t.untyped_storage()
         if storage.nbytes() < self.session.min_bytes:
             return False
-        return storage.data_ptr() not in self.exclude
+        key = storage.data_ptr()
+        if self.created is not None and key not in self.created:
+            return False  # made outside the unit: held there, saved by reference
+        return key not in self.exclude
 
     def pack(self, t: torch.Tensor) -> Any:
         if self.state != "forward" or not self._qualifies(t):
@@ -223,8 +280,8 @@ class OffloadSession:
         self.stash: list[weakref.ref[OffloadGroup]] = []  # closed, sources still held
         self.events: list[tuple[str, str, Any]] = []
 
-    def open(self, name: str, exclude: set[int]) -> OffloadGroup:
-        return OffloadGroup(self, name, exclude)
+    def open(self, name: str, exclude: set[int], created: set[int] | None = None) -> OffloadGroup:
+        return OffloadGroup(self, name, exclude, created)
 
     def closed(self, group: OffloadGroup) -> None:
         """``group``'s copies started; the group before it may now drop its sources.
@@ -292,15 +349,17 @@ def run_offloaded(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` with its saved tensors offloaded through ``session``.
 
-    The storages of tensors in ``args``/``kwargs`` and of ``keep`` (the unit's
-    parameters and buffers) are never offloaded.
+    Only storages that ops of ``fn`` create are offloaded: the storages of tensors
+    in ``args``/``kwargs``, of ``keep`` (the unit's parameters and buffers) and
+    any other tensor made before the call (module attributes, globals) stay.
 
     Example:
         >>> out = run_offloaded(session, "layers.0", block, (x,), {}, tuple(block.parameters()))
     """
     exclude = {storage_key(t) for t in (*_tensors((args, kwargs)), *keep)}
-    group = session.open(name, exclude)
-    with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+    created = CreatedStorages()
+    group = session.open(name, exclude, created.keys)
+    with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack), created:
         out = fn(*args, **kwargs)
     group.close(out)
     return out

@@ -5,9 +5,10 @@ Each behaviour below takes ``ckpt``, a function with the signature of
 and asserts what a user of non-reentrant checkpointing relies on. Every
 behaviour runs twice: against ``torch.utils.checkpoint.checkpoint`` with
 ``use_reentrant=False`` and against ``gradckpt.checkpoint``. gradckpt must pass
-all of them; torch must pass all but :data:`BEYOND_TORCH`, which it is known to
-fail (they are where gradckpt goes further) and which are marked strict xfail
-for torch, so a torch that starts passing them is noticed.
+all but :data:`DELIBERATE` (torch's behaviour where gradckpt differs on purpose,
+each with its reason); torch must pass all but :data:`BEYOND_TORCH`, which it is
+known to fail (they are where gradckpt goes further). Both sets are strict xfail
+for the implementation that fails them, so a change on either side is noticed.
 
 The behaviours were chosen after reading what torch's own tests of non-reentrant
 checkpointing exercise (``test/test_autograd.py``, ``test/test_utils.py``); they
@@ -46,6 +47,22 @@ BEYOND_TORCH = {
     "python_random_replayed",
     "numpy_random_replayed",
     "nested_double_backward_in_a_graph_exec_group",
+}
+
+#: torch's behaviours where gradckpt differs on purpose, with the reason (the xfail's).
+DELIBERATE = {
+    "omitted_use_reentrant_warns": (
+        "gradckpt has only the non-reentrant mechanism, so there is no default to warn "
+        "about; use_reentrant=True is refused with a ValueError instead"
+    ),
+    "global_toggle_beats_the_keyword": (
+        "an explicit early_stop=/debug= keyword says what that call does and wins over "
+        "torch's set_checkpoint_early_stop/set_checkpoint_debug_enabled (None defers to them)"
+    ),
+    "debug_with_context_fn_is_refused": (
+        "gradckpt's debug=True logs op names below the context's modes, so it works "
+        "with a context_fn (SAC) instead of refusing the pair"
+    ),
 }
 
 
@@ -645,15 +662,42 @@ def numpy_random_replayed(ckpt):
     assert torch.equal(g, ref)
 
 
+# ------------------------------------------------------------------ torch's way (DELIBERATE)
+
+
+@behaviour
+def omitted_use_reentrant_warns(ckpt):
+    with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly"):
+        ckpt(torch.sin, leaf(3), use_reentrant=None)
+
+
+@behaviour
+def global_toggle_beats_the_keyword(ckpt):
+    fn, calls = _tail_counter()
+    with tc.set_checkpoint_early_stop(False):
+        out = ckpt(fn, leaf(3), early_stop=True)
+    out.sum().backward()
+    assert len(calls) == 2
+
+
+@behaviour
+def debug_with_context_fn_is_refused(ckpt):
+    with pytest.raises(ValueError, match="debug=True is incompatible with non-default context_fn"):
+        ckpt(torch.sin, leaf(3), debug=True, context_fn=_sac([aten.sin.default]))
+
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("name", list(BEHAVIOURS))
 def test_behaviour(name: str, impl: str, request: pytest.FixtureRequest) -> None:
     if impl == "torch" and name in BEYOND_TORCH:
         mark = pytest.mark.xfail(strict=True, reason="torch's checkpoint does not do this")
         request.applymarker(mark)
+    if impl == "gradckpt" and name in DELIBERATE:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=DELIBERATE[name]))
     BEHAVIOURS[name](IMPLS[impl])
 
 
 def test_there_are_enough_behaviours() -> None:
     assert len(BEHAVIOURS) >= 30
-    assert set(BEHAVIOURS) >= BEYOND_TORCH
+    assert set(BEHAVIOURS) >= BEYOND_TORCH | set(DELIBERATE)
+    assert not BEYOND_TORCH & set(DELIBERATE)

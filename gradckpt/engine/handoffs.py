@@ -1,0 +1,111 @@
+"""Edits autograd cannot see between the units of one region, caught before its recompute.
+
+A region that spans several units (a planned segment) is recomputed by calling
+the units again, each handed the previous one's recomputed output. Code that
+runs *between* two units in the forward does not run again, so an edit of the
+output there would be lost in the recompute. An ordinary in-place op bumps the
+tensor's version counter and the segment refuses it when the next unit starts;
+an edit through ``x.data`` (``x.data.mul_(2)``) or ``x.data = y`` leaves the
+version alone, and the recompute silently hands the next unit the unedited
+values: wrong gradients.
+
+So :class:`Handoffs` fingerprints each handed-over tensor twice in the forward:
+when the unit returns it and when the next unit receives it. The fingerprint
+(:func:`bits_checksum`) is the integer sum of the tensor's element bit
+patterns: exact (no float rounding, NaN-safe), order-independent, so two sums of
+the same bits always agree, and any change of value changes it unless the
+changes cancel exactly. Both are taken from the forward's own data, so
+non-deterministic kernels cannot make them differ (a check that compared with
+the recompute's values could not say that). The cost is two reductions over
+each handed-over activation in the forward, with no host sync; the comparison
+waits for the region's recompute (one host sync per recompute), where it raises
+:class:`~gradckpt.engine.holders.CheckpointError` before any wrong value is used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from gradckpt.engine.holders import CheckpointError
+
+__all__ = ["Handoffs", "bits_checksum"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_checksum(t: torch.Tensor) -> torch.Tensor | None:
+    """The sum of ``t``'s element bit patterns as an int64 tensor on its device.
+
+    None for what has no plain bits to read (fake, meta, sparse, quantized,
+    subclass tensors). Runs outside every dispatch mode: trackers and op
+    counters of the step must not see it.
+
+    Example:
+        >>> bits_checksum(torch.ones(3)).item() == 3 * 0x3F800000
+        True
+    """
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+        return None
+    if t.device.type == "meta":
+        return None
+    with _disable_current_modes(), torch.no_grad():
+        data = t.detach()
+        if data.is_complex():
+            data = torch.view_as_real(data)
+        as_int = _INT_OF_SIZE.get(data.element_size())
+        if as_int is None:
+            return None
+        return data.view(as_int).sum(dtype=torch.int64)
+
+
+class Handoffs:
+    """Fingerprints of what a region's units hand each other in the forward.
+
+    ``left(t)`` when a unit returns ``t``; ``arrived(t, unit)`` when ``unit``
+    receives that same tensor; ``check(region)`` before the recompute.
+
+    Example:
+        >>> handoffs = Handoffs()
+        >>> handoffs.left(y); y.data.mul_(2); handoffs.arrived(y, "blocks.1")
+        >>> handoffs.check("segment[blocks.0..blocks.1]")  # raises CheckpointError
+    """
+
+    def __init__(self) -> None:
+        self._left: torch.Tensor | None = None
+        self._pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def left(self, t: torch.Tensor | None) -> None:
+        """A unit returned ``t`` (None: no tensor to follow)."""
+        self._left = bits_checksum(t) if t is not None else None
+
+    def arrived(self, t: torch.Tensor, unit: str) -> None:
+        """``unit`` receives ``t``, the tensor last passed to :meth:`left`."""
+        before, self._left = self._left, None
+        if before is None:
+            return
+        after = bits_checksum(t)
+        if after is not None and after.device == before.device:
+            self._pairs.append((unit, before, after))
+
+    def check(self, region: str) -> None:
+        """Raise if a handed-over tensor changed between its two units (one host sync)."""
+        pairs, self._pairs = self._pairs, []
+        if not pairs:
+            return
+        differ = [a != b for _, a, b in pairs]
+        if len({d.device for d in differ}) == 1:
+            changed = torch.stack(differ).tolist()  # one sync for the whole region
+        else:
+            changed = [bool(d) for d in differ]
+        if any(changed):
+            unit = pairs[changed.index(True)][0]
+            raise CheckpointError(
+                f"gradckpt: the output of the unit before {unit} was changed between the two "
+                f"units, inside {region}, in a way autograd cannot see (an in-place edit "
+                "through .data, or x.data = ...): its recompute would hand the unedited "
+                f"values to {unit} and the gradients would be wrong. Make the edit inside "
+                f"{unit}'s forward (the recompute repeats it) or out of place "
+                "(x = x * 0.5), then plan the model again (no segment will span it)."
+            )
+        self._pairs = pairs  # a later backward pass (retain_graph) checks them again
