@@ -16,15 +16,12 @@ from torch import nn
 
 from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profiling.recorder import RecordMode, StepRecorder
+from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
 from gradckpt.profiling.state import StepState
 from gradckpt.profiling.units import Unit
 from gradckpt.profiling.workspace import allocator_events, op_workspaces
 
 __all__ = ["ProfileError", "run_pass", "time_plain_step"]
-
-
-class ProfileError(RuntimeError):
-    """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from gradckpt.engine.modes import counts_as_op, written_args
 from gradckpt.measure.allocator import close_mark, open_mark
 from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import work_clock
+from gradckpt.profiling.opaque import check_output_seen
 from gradckpt.profiling.records import NEVER
 from gradckpt.profiling.units import Unit
 
@@ -264,7 +265,8 @@ class StepRecorder:
         self._stack.pop()
         call.end_op = len(self.ops)
         call.seq_end = torch._C._autograd._get_sequence_nr()
-        flat, _ = tree_flatten(out)
+        unit = self.units[call.unit]
+        flat = check_output_seen(out, unit.path, type(unit.module).__name__)
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
                 call.chain_output, call.output = i, self.sid_of(x)

@@ -34,10 +34,17 @@ from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.profiling.training_step import TrainingStep
 
 __all__ = [
-    "NEVER", "OpRecord", "PackRecord", "Profile", "StorageRecord", "UnitRecord", "retimed"
+    "NEVER", "OpRecord", "PackRecord", "Profile", "ProfileError", "StorageRecord", "UnitRecord",
+    "retimed",
 ]  # fmt: skip
 
 PROFILE_VERSION = 2
+
+
+class ProfileError(RuntimeError):
+    """The step could not be profiled (bad loss_fn, non-deterministic op sequence)."""
+
+
 #: Position of "not within the step" (alive at the end, never unpacked, ...).
 NEVER = 1 << 60
 
@@ -169,6 +176,9 @@ class Profile:
     #: (:func:`gradckpt.planning.whole_step.with_training_step`); None: forward and
     #: backward of one micro-batch only.
     step: TrainingStep | None = None
+    #: When block discovery found no repeated blocks: what it considered and how to name
+    #: them (``blocks=``), for the message of a budget no plan meets; "" otherwise.
+    blocks_note: str = ""
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -224,6 +234,7 @@ class Profile:
             resident_bytes=data.get("resident_bytes", 0),
             floor_bytes=data.get("floor_bytes", 0),
             step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
+            blocks_note=data.get("blocks_note", ""),
             version=data["version"],
         )
 
@@ -251,6 +262,4 @@ def retimed(profile: Profile, time_of: Callable[[OpRecord], float]) -> Profile:
         dataclasses.replace(u, fwd_time=fwd.get(u.index, 0.0), bwd_time=bwd.get(u.index, 0.0))
         for u in profile.units
     )
-    return dataclasses.replace(
-        profile, ops=ops, units=units, step_time=sum(op.time for op in ops)
-    )
+    return dataclasses.replace(profile, ops=ops, units=units, step_time=sum(op.time for op in ops))

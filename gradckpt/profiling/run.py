@@ -19,6 +19,9 @@ on the CPU) and summarized by their least value over the passes
 (:func:`~gradckpt.measure.timing.low_estimate`): load on a shared machine and a
 cold first pass only add time, and plans must not change with them.
 
+Profiles run one at a time in a process (models fitted from several threads take
+turns here): torch's profiler and the RNG resets are process-wide.
+
 Before each pass the RNG, buffers and gradients are reset to what they were on
 entry, and they are restored exactly at the end (:mod:`gradckpt.profiling.state`):
 also the gradients of leaves outside the model the step reaches, and the
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from gradckpt.measure.exclusive import MEASURING
 from gradckpt.profiling import adapters
 from gradckpt.profiling.assemble import assemble, device_of
 from gradckpt.profiling.fake import (
@@ -45,7 +50,8 @@ from gradckpt.profiling.fake import (
 from gradckpt.profiling.passes import ProfileError, run_pass, time_plain_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState
-from gradckpt.profiling.units import BlockSpec, find_blocks, find_units
+from gradckpt.profiling.unit_costs import capturing_call, with_unit_times
+from gradckpt.profiling.units import BlockSpec, blocks_not_found, find_blocks, find_units
 from gradckpt.profiling.workspace import step_device
 
 # How a pass runs is gradckpt.profiling.passes, how passes become a Profile is
@@ -103,7 +109,9 @@ def profile(
         raise TypeError("loss_fn must be a zero-argument callable returning the loss")
     # The one profiling path: every registered adapter prepares the model first
     # (transformers: no KV cache; under fake tensors, its real-data branches).
-    with adapters.preparing(model, fake=fake):
+    # One profile at a time per process: torch's profiler and the RNG resets
+    # between passes are process-wide (gradckpt.measure.exclusive).
+    with MEASURING, adapters.preparing(model, fake=fake):
         return _profile_prepared(model, loss_fn, blocks, repeats, fake, device, answer_scalars)
 
 
@@ -116,7 +124,10 @@ def _profile_prepared(
     device: str | torch.device | None,
     answer_scalars: bool = False,
 ) -> Profile:
-    units = find_units(model, find_blocks(model, blocks))
+    found = find_blocks(model, blocks)
+    units = find_units(model, found)
+    # No blocks: the step is planned by top-level parts only; say why, for the budget error.
+    note = blocks_not_found(model) if blocks is None and not found else ""
     guard = StepState(model)
     try:
         if fake:
@@ -128,7 +139,8 @@ def _profile_prepared(
                 forward_only = run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
                 passes = [run_pass(units, loss_fn, guard, plain=True)]
-            return with_estimated_times(assemble(model, units, forward_only, passes, 0.0), where)
+            fake_profile = assemble(model, units, forward_only, passes, 0.0)
+            return replace(with_estimated_times(fake_profile, where), blocks_note=note)
         where = device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
             guard.reset()
@@ -140,7 +152,9 @@ def _profile_prepared(
                 passes.append(
                     run_pass(units, loss_fn, guard, plain=True, device=where, allocator=measured)
                 )
-            step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
+            with capturing_call(units) as call:  # one block's arguments, to time it alone
+                step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
-    return assemble(model, units, forward_only, passes, step_time)
+    real = with_unit_times(assemble(model, units, forward_only, passes, step_time), call)
+    return replace(real, blocks_note=note)

@@ -2,15 +2,24 @@
 
 Blocks are the repeated layers (decoder layers, residual blocks). They are
 found automatically — by the adapter an integration registered for its library
-(:mod:`gradckpt.profiling.adapters`, or :func:`register_block_finder`), Hugging Face ``GradientCheckpointingLayer``s, or classes
-that repeat among the children of ``nn.ModuleList``/``nn.Sequential``
-containers — or given by the user. Every other maximal submodule that holds no
-block (embeddings, final norm, head) is a unit too, so what lies between
-blocks is planned as well.
+(:mod:`gradckpt.profiling.adapters`, or :func:`register_block_finder`), Hugging Face
+``GradientCheckpointingLayer``s, or classes that repeat among the children of
+*containers* — or given by the user. A container is an ``nn.ModuleList``,
+``nn.Sequential`` or ``nn.ModuleDict``, or a plain module used as one: its children
+all of one class and named as a numbered sequence (timm's RegNet keeps blocks
+``b1``, ``b2``, ... as attributes of plain stage modules, stages in stages
+included). A plain module whose children differ (a residual block's ``conv1``,
+``conv2``, ``se``, ``act``) is not a container, so its parts never split it; one
+whose only parts are ``conv1`` and ``conv2`` of one class would be (name its
+blocks with ``blocks=`` then). Every other maximal submodule that holds no block
+(embeddings, final norm, head) is a unit too, so what lies between blocks is
+planned as well. When none is found, :func:`blocks_not_found` says what was
+considered; the profile keeps it for the error of a budget no plan meets.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,7 +28,7 @@ from torch import nn
 
 from gradckpt.profiling.adapters import Adapter, register_adapter, registered_blocks
 
-__all__ = ["Unit", "find_blocks", "find_units", "register_block_finder"]
+__all__ = ["Unit", "blocks_not_found", "find_blocks", "find_units", "register_block_finder"]
 
 BlockSpec = Iterable[str] | Callable[[str, nn.Module], bool] | None
 BlockFinder = Callable[[nn.Module], list[str]]
@@ -60,14 +69,87 @@ def _hf_layers(model: nn.Module) -> list[str]:
     return found
 
 
-def _repeated_children(model: nn.Module) -> list[str]:
-    by_class: dict[type, list[str]] = defaultdict(list)
+_LIST_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def _numbered(names: list[str]) -> bool:
+    """Names like ``b1, b2, b3`` or ``layer0, layer1``: one prefix, consecutive numbers from 0 or 1."""
+    matches = [_NUMBERED.match(n) for n in names]
+    if not all(matches) or len({m.group(1) for m in matches if m}) != 1:
+        return False
+    numbers = sorted(int(m.group(2)) for m in matches if m)
+    return numbers[0] in (0, 1) and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+
+def _container_kind(module: nn.Module) -> str:
+    """How ``module`` holds its children.
+
+    "list": a ModuleList/Sequential/ModuleDict, or a plain module used as one (its
+    children all of one class, named as a numbered sequence: timm's stages hold
+    ``b1, b2, ...``); "single": a plain module whose only child is named like the
+    first of such a sequence (a stage of one block); "": anything else (a block's
+    ``expand_1x1``, ``conv_3x3``, ``reduce_1x1`` are parts, not a sequence).
+    """
+    if isinstance(module, _LIST_CONTAINERS):
+        return "list"
+    named = list(module.named_children())
+    if not named or len({type(c) for _, c in named}) != 1 or not _numbered([n for n, _ in named]):
+        return ""
+    return "list" if len(named) >= 2 else "single"
+
+
+def _container_children(model: nn.Module) -> tuple[dict[type, list[str]], dict[type, list[str]]]:
+    """Non-builtin children of list-like containers and of one-child modules, by class."""
+    listed: dict[type, list[str]] = defaultdict(list)
+    single: dict[type, list[str]] = defaultdict(list)
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            for child_name, child in module.named_children():
-                if not _is_torch_builtin(child):
-                    by_class[type(child)].append(f"{name}.{child_name}" if name else child_name)
-    return [path for paths in by_class.values() if len(paths) >= 2 for path in paths]
+        kind = _container_kind(module)
+        if not kind:
+            continue
+        for child_name, child in module.named_children():
+            if not _is_torch_builtin(child):
+                path = f"{name}.{child_name}" if name else child_name
+                (listed if kind == "list" else single)[type(child)].append(path)
+    return listed, single
+
+
+def _repeated_children(model: nn.Module) -> list[str]:
+    listed, single = _container_children(model)
+    repeated = {cls for cls, paths in listed.items() if len(paths) >= 2}
+    # A stage of one block holds it as its only child: a block all the same when
+    # its class repeats in the other stages.
+    return [p for cls in repeated for p in listed[cls] + single.get(cls, [])]
+
+
+def blocks_not_found(model: nn.Module) -> str:
+    """Why discovery found no blocks in ``model``: the candidates it considered, and ``blocks=``.
+
+    Example:
+        >>> print(blocks_not_found(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
+    """
+    listed, single = _container_children(model)
+    seen = dict.fromkeys(
+        f"{p} ({cls.__name__})"
+        for paths in (listed, single)
+        for cls, ps in paths.items()
+        for p in ps
+    )
+    top = [f"{n} ({type(m).__name__})" for n, m in model.named_children()]
+    considered = list(seen) or top
+    shown = ", ".join(considered[:12]) + (
+        f", ... ({len(considered)} in all)" if len(considered) > 12 else ""
+    )
+    return (
+        f"gradckpt found no repeated blocks in {type(model).__name__}: no class repeats among "
+        "the children of its containers (ModuleList, Sequential, ModuleDict, or a module whose "
+        f"children all share one class); candidates considered: {shown or 'none'}. Each "
+        "top-level submodule is then a single unit, which limits how low the peak can go: pass "
+        "blocks=[paths from model.named_modules()] or blocks=lambda path, module: ... naming the "
+        "repeated layers."
+    )
 
 
 def _innermost(paths: list[str]) -> list[str]:
