@@ -41,6 +41,8 @@ import torch
 from torch._C import _autograd as _ag
 from torch._C import _profiler as _prof
 
+from gradckpt.measure.exclusive import MEASURING
+
 __all__ = [
     "CUDA_BLOCK_BYTES",
     "AllocatorTracker",
@@ -177,6 +179,11 @@ def _allocation_events(flat: list[tuple], device: torch.device) -> list[tuple[in
     return keep
 
 
+def _unmarked(flat: list[tuple]) -> list[tuple]:
+    """Flat events as an enclosing session sees them: outside every mark of its own."""
+    return [(t, -1, size, ptr, where) for t, _, size, ptr, where in flat]
+
+
 @dataclass(frozen=True)
 class MarkedSpan:
     """Allocator bytes around one marked span (totals of blocks allocated in the region)."""
@@ -234,6 +241,7 @@ def marked_spans(events: list[tuple[int, ...]]) -> dict[int, MarkedSpan]:
 #: Our open sessions, outermost first. Torch runs one profiler at a time, so only
 #: the innermost one runs; the ones around it are paused and get its events.
 _OPEN: list[MemoryEvents] = []
+_STDERR: list[_FilteredStderr] = []  # the filter of the open sessions, while any is open
 
 
 def foreign_profiler_running() -> bool:
@@ -265,12 +273,13 @@ class MemoryEvents:
         self.events: list[tuple[int, ...]] = []
         self.peak_bytes = 0
         self.end_bytes = 0
-        self._stderr = _FilteredStderr()
         self._flat: list[tuple] = []
 
     def __enter__(self) -> MemoryEvents:
-        self._stderr.__enter__()
+        MEASURING.acquire()  # one profiler per process: another thread's session waits
         outer = _OPEN[-1] if _OPEN else None
+        if outer is None:  # one filter for the sessions open together, whatever order they close in
+            _STDERR.append(_FilteredStderr().__enter__())
         try:
             if outer is not None:
                 outer._pause()
@@ -278,7 +287,9 @@ class MemoryEvents:
         except BaseException:
             if outer is not None:
                 _start_memory_events(outer.device)
-            self._stderr.__exit__()
+            else:
+                _STDERR.pop().__exit__()
+            MEASURING.release()
             raise
         _OPEN.append(self)
         return self
@@ -287,15 +298,27 @@ class MemoryEvents:
         self._flat.extend(_flat_events(_ag._disable_profiler()))
 
     def __exit__(self, *exc: object) -> None:
+        at = _OPEN.index(self)
+        later = _OPEN[at + 1 :]  # still open: this one closes out of order
+        seen: list[tuple] = []
         try:
-            self._pause()
+            # The running profiler records for the innermost open session.
+            (later[-1] if later else self)._pause()
         finally:
-            _OPEN.remove(self)
-            if _OPEN:  # hand our events to the session around us and let it run again
-                _OPEN[-1]._flat.extend((t, -1, size, ptr, where) for t, _, size, ptr, where in self._flat)
-                _start_memory_events(_OPEN[-1].device)
-            self._stderr.__exit__()
-        self.events = _allocation_events(self._flat, self.device)
+            try:
+                _OPEN.remove(self)
+                if at > 0:  # hand our own events to the session around us
+                    _OPEN[at - 1]._flat.extend(_unmarked(self._flat))
+                # What the sessions opened inside this one saw so far happened while
+                # it was open too; they keep it and hand it on when they close.
+                seen = self._flat + [e for inner in later for e in _unmarked(inner._flat)]
+                if _OPEN:  # let the innermost open session run again
+                    _start_memory_events(_OPEN[-1].device)
+                else:
+                    _STDERR.pop().__exit__()
+            finally:
+                MEASURING.release()
+        self.events = _allocation_events(seen, self.device)
         self._flat = []
         if not self.events:
             return

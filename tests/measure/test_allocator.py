@@ -221,3 +221,35 @@ def test_loose_blocks_between_spans_are_charged_to_the_next_span() -> None:
     spans = ev.spans()
     assert spans[0].loose == 64 and spans[1].loose == 0
     del z
+
+
+def test_sessions_nest_and_an_inner_one_counts_for_the_outer() -> None:
+    with AllocatorTracker() as outer:
+        a = torch.empty(1000)  # 4000 B
+        with AllocatorTracker() as inner:
+            b = torch.empty(2000)  # 8000 B
+            del b
+        c = torch.empty(500)  # 2000 B
+    assert inner.peak_bytes == 8_000 and inner.end_bytes == 0
+    assert outer.peak_bytes == 12_000 and outer.end_bytes == 6_000
+    del a, c
+
+
+def test_a_session_closing_before_one_opened_inside_it_keeps_its_own_events() -> None:
+    """A tracker around a step that closes while a tracker opened in the step is still
+    open (a callback's measurement left open across steps): each sees what happened
+    while it was open, and nothing of the other's time outside it."""
+    outer = AllocatorTracker().__enter__()
+    a = torch.empty(1000)  # 4000 B, outer only
+    inner = AllocatorTracker().__enter__()
+    b = torch.empty(2000)  # 8000 B, both
+    outer.__exit__(None, None, None)
+    c = torch.empty(4000)  # 16000 B, inner only
+    del b
+    inner.__exit__(None, None, None)
+    assert outer.peak_bytes == 12_000 and outer.end_bytes == 12_000
+    assert inner.peak_bytes == 24_000 and inner.end_bytes == 16_000
+    with AllocatorTracker() as after:  # the profiler is free again and stderr restored
+        d = torch.empty(250)
+    assert after.peak_bytes == 1_000
+    del a, c, d
