@@ -201,7 +201,7 @@ def fit(
     round_up: bool = False,
     seq_dim: int = 1,
     rescale: bool = True,
-    measure_candidates: int = 2,
+    measure_candidates: int = 3,
     blocks: BlockSpec = None,
     solver: str | Solver = "dp",
     repeats: int = 3,
@@ -238,13 +238,16 @@ def fit(
             four lengths rescaled exactly (:mod:`gradckpt.planning.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
-        measure_candidates: how many plans that fit (the planner's, the best one
-            that keeps or recomputes each unit whole, then the next fastest
-            predicted) to run for 3 real steps each, interleaved with the
-            plain step, keeping the fastest measured (:mod:`gradckpt.apply.select`).
-            It costs ``3 * (measure_candidates + 1)`` training steps: 9 by default,
-            about what profiling costs. The plan records ``measured_overhead`` next
-            to ``predicted_overhead``. 0 turns it off; fake profiles are never
+        measure_candidates: how many plans that fit to run for 3 real steps each,
+            interleaved with the plain step, keeping the fastest measured
+            (:mod:`gradckpt.apply.select`): the planner's, then the best plan of each
+            other kind that fits (whole-unit, each unit kept or recomputed whole;
+            selective; segments over several units), then the next fastest
+            predicted. It costs ``3 * (measure_candidates + 1)`` training steps: 12
+            by default (3 candidates, so one of each kind is measured: a kind the
+            cost model prices wrong cannot win unmeasured), about what profiling
+            costs. The plan records ``measured_overhead`` next to
+            ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
         blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
         optimizer, accumulation_steps, set_to_none: the whole training step, as for
