@@ -13,6 +13,13 @@ tiny ops (where the kernels cost almost nothing), as differences between a
 plain and a checkpointed step, on :func:`~gradckpt.measure.timing.work_clock`
 (thread CPU time on the CPU: robust to other processes). The planner adds
 them to its predicted time (:mod:`gradckpt.planning.costs`).
+
+Tiny chains miss what a real block pays per op (ops with weights, views and
+more arguments cost the dispatch modes more, and a real block's Python runs
+again in a recompute), so a profile also times one of the model's own blocks
+plain, as a region and as a selective region (:func:`time_unit_regions`); the
+planner takes its per-op costs from that unit when it has one
+(:func:`gradckpt.planning.costs.step_costs`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,14 @@ import torch
 from gradckpt.engine import checkpoint
 from gradckpt.measure.timing import low_estimate, work_clock
 
-__all__ = ["EngineCosts", "engine_costs", "measure_engine_costs"]
+__all__ = [
+    "EngineCosts",
+    "UnitTimes",
+    "engine_costs",
+    "forget",
+    "measure_engine_costs",
+    "time_unit_regions",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,13 @@ class EngineCosts:
     policy_op: float = 0.0  # an op of a selective region's forward (the policy is asked)
     saved_tensor: float = 0.0  # a tensor saved inside a region: pack, refill, unpack
     device: str = ""
+    # One of the model's own units, timed (seconds; "" and 0: not measured): its forward
+    # and backward plain and as a region, and what a policy asked about each of its ops
+    # adds to the region's forward. The planner's per-op costs come from these.
+    unit: str = ""
+    unit_plain: float = 0.0
+    unit_region: float = 0.0
+    unit_policy: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,6 +183,92 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     return EngineCosts(region, per_op, policy, saved, where.type)
 
 
+@dataclass(frozen=True)
+class UnitTimes:
+    """Seconds of a real unit: forward and backward plain and as a region, and what a
+    policy asked about every op adds to the region's forward."""
+
+    plain: float
+    region: float
+    policy: float
+
+
+def time_unit_regions(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    leaves: list[torch.Tensor],
+    device: str | torch.device = "cpu",
+    rounds: int = _ROUNDS,
+) -> UnitTimes:
+    """Time ``fn(*args, **kwargs)`` forward and backward plain and as a region, and its
+    forward as a region and as a selective region (a policy asked about every op,
+    recomputing all of them): the policy's cost is the difference of the two forwards,
+    which are short, so it stands out of the noise better than in whole steps.
+
+    The backward is ``torch.autograd.grad`` with respect to ``leaves`` (the unit's
+    parameters and its inputs that need gradients): the same work as a training
+    step's backward, and nothing is accumulated into ``.grad``. The three cases
+    are interleaved in each round and each takes its least time over the rounds,
+    on :func:`~gradckpt.measure.timing.work_clock`. The RNG is left as found; the
+    caller restores anything else ``fn`` changes (buffers).
+
+    Example:
+        >>> t = time_unit_regions(block, (x,), {}, [x, *block.parameters()])
+        >>> t.region - t.plain  # what recomputing the block costs, engine included
+    """
+    where = torch.device(device)
+    clock = work_clock(where)
+    module = getattr(torch, where.type, None)
+    sync: Callable[[], None] = (
+        module.synchronize if where.type not in ("cpu", "meta") and module is not None
+        else (lambda: None)
+    )  # fmt: skip
+
+    def step(run: Callable[[], Any]) -> Callable[[], None]:
+        def once() -> None:
+            out = run()
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            if outs:
+                torch.autograd.grad(
+                    outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True
+                )
+
+        return once
+
+    def call(*a: Any) -> Any:  # keyword arguments by closure: none can clash with checkpoint's
+        return fn(*a, **kwargs)
+
+    cases = {
+        "plain": step(lambda: call(*args)),
+        "region": step(lambda: checkpoint(call, *args)),
+        "region forward": lambda: checkpoint(call, *args),
+        "policy forward": lambda: checkpoint(call, *args, policy=_recompute_all),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    with torch.random.fork_rng(devices=[]):
+        for once in cases.values():  # warm-up
+            once()
+        for i in range(2 * rounds):
+            for name, once in cases.items():
+                if i >= rounds and "forward" not in name:
+                    continue  # the forwards' difference is the small one: more rounds
+                sync()
+                start = clock()
+                once()
+                sync()
+                samples[name].append(clock() - start)
+    t = {name: low_estimate(times) for name, times in samples.items()}
+    return UnitTimes(t["plain"], t["region"], t["policy forward"] - t["region forward"])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors in a unit's output (a tensor, a tuple, a dict, ...)."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
 def engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     """The engine's costs on ``device``, measured on first use and kept for the process.
 
@@ -178,3 +285,12 @@ def engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     if key not in _CACHE:
         _CACHE[key] = measure_engine_costs(device)
     return _CACHE[key]
+
+
+def forget() -> None:
+    """Drop the costs kept for this process: the next :func:`engine_costs` measures again.
+
+    Example:
+        >>> forget(); engine_costs("cpu")  # measured afresh
+    """
+    _CACHE.clear()

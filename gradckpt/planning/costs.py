@@ -25,6 +25,7 @@ solver weighs a selective region's policy against the recompute it saves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ __all__ = [
     "engine_seconds",
     "plan_counts",
     "region_counts",
+    "steady",
     "step_costs",
     "unit_counts",
     "untimed_per_op",
@@ -89,14 +91,60 @@ def untimed_per_op(profile: Profile) -> float:
     return max(0.0, profile.step_time - sum(op.time for op in profile.ops)) / len(profile.ops)
 
 
+@per_profile
 def step_costs(profile: Profile) -> EngineCosts:
-    """The profile's engine costs, a recomputed op also paying its share of untimed work.
+    """The profile's engine costs per event, as the planner prices them.
+
+    Per op, from the model's own block when the profile timed one
+    (:mod:`gradckpt.profiling.unit_costs`): a recomputed op costs what that
+    block's region paid beyond its plain run, its recomputed kernels, its entry
+    and its saved tensors, spread over its recomputed ops (the engine's dispatch
+    and the block's Python and autograd work run again); a selective region's op
+    costs what asking a policy added to that block's region forward, per op. Without a
+    timed block, the tiny chains' costs, a recomputed op also paying the plain
+    step's untimed work per op (:func:`untimed_per_op`). Every cost is then put
+    on a grid of 1/8 octave (:func:`steady`): jitter below that moves no plan.
 
     Example:
         >>> engine_seconds(counts, step_costs(prof))
     """
     costs = profile.engine_costs
-    return replace(costs, recompute_op=costs.recompute_op + untimed_per_op(profile))
+    costs = replace(costs, recompute_op=costs.recompute_op + untimed_per_op(profile))
+    unit = next((u for u in profile.units if costs.unit and u.path == costs.unit), None)
+    if unit is not None and costs.unit_region > 0:
+        rec = region_counts(profile, unit, policy=False)
+        stop = unit.first_op + rec.recompute_ops
+        kernels = sum(op.time for op in profile.ops[unit.first_op : stop])
+        paid = costs.unit_region - costs.unit_plain - kernels
+        paid -= costs.region + rec.saved_tensors * costs.saved_tensor
+        if rec.recompute_ops > 0:
+            costs = replace(costs, recompute_op=max(0.0, paid / rec.recompute_ops))
+        policy = costs.unit_policy / (unit.end_op - unit.first_op)
+        costs = replace(costs, policy_op=max(0.0, policy))
+    return replace(
+        costs, region=steady(costs.region), recompute_op=steady(costs.recompute_op),
+        policy_op=steady(costs.policy_op), saved_tensor=steady(costs.saved_tensor),
+    )  # fmt: skip
+
+
+#: Steps of the grid engine costs are put on: 2 ** (1/8), about 9% apart.
+_GRID = 2.0 ** (1 / 8)
+
+
+def steady(seconds: float) -> float:
+    """``seconds`` to the nearest point of a geometric grid 1/8 octave apart (0 stays 0).
+
+    Engine costs are small differences of measured times and move a few percent
+    from one process to the next; on the grid, two profiles of one model on one
+    machine nearly always price the engine the same, so they plan the same.
+
+    Example:
+        >>> steady(1.0), steady(1.03)
+        (1.0, 1.0)
+    """
+    if seconds <= 0:
+        return 0.0
+    return _GRID ** round(math.log(seconds, _GRID))
 
 
 def engine_seconds(counts: EngineCounts, costs: EngineCosts) -> float:

@@ -229,7 +229,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
         f"(activations, gradients and temporaries) peaks during "
         f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
-        "sequence length.",
+        "sequence length." + (f" {profile.blocks_note}" if profile.blocks_note else ""),
         least_peak_bytes=pred.peak_bytes,
     )
 

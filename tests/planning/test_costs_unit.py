@@ -1,0 +1,60 @@
+"""Per-op engine costs from the model's own block (issue #31), on a grid that noise
+below it cannot move."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.planning.costs import region_counts, steady, step_costs
+
+
+def test_steady_puts_costs_on_a_grid_an_eighth_of_an_octave_apart():
+    assert steady(0.0) == 0.0 and steady(-1.0) == 0.0
+    assert steady(1.0) == pytest.approx(1.0)
+    assert steady(1.03) == steady(0.97) == steady(1.0)  # a few percent of jitter: no change
+    values = [1e-6 * 1.01**i for i in range(200)]
+    for v in values:
+        assert abs(steady(v) / v - 1) <= 2 ** (1 / 16) - 1 + 1e-12  # within half a step
+    assert [steady(v) for v in values] == sorted(steady(v) for v in values)  # monotone
+
+
+def _with_unit(prof, plain: float, region: float, policy: float):
+    block = next(u for u in prof.units if u.is_block and u.plannable)
+    costs = EngineCosts(
+        region=1e-3, recompute_op=1e-5, policy_op=1e-5, saved_tensor=1e-5, device="cpu",
+        unit=block.path, unit_plain=plain, unit_region=region, unit_policy=policy,
+    )  # fmt: skip
+    return dataclasses.replace(prof, engine_costs=costs), block
+
+
+def test_per_op_costs_come_from_the_timed_block(zoo):
+    _, prof, _ = zoo.get("gpt")
+    # The block's region paid 20 ms beyond its plain run and its kernels; its policy 3 ms.
+    rec = region_counts(prof, next(u for u in prof.units if u.is_block and u.plannable),
+                        policy=False)  # fmt: skip
+    block = next(u for u in prof.units if u.is_block and u.plannable)
+    kernels = sum(op.time for op in prof.ops[block.first_op : block.first_op + rec.recompute_ops])
+    engine = 1e-3 + rec.saved_tensors * 1e-5
+    timed, block = _with_unit(prof, 0.1, 0.1 + kernels + engine + 0.02, 0.003)
+    costs = step_costs(timed)
+    assert costs.recompute_op == pytest.approx(steady(0.02 / rec.recompute_ops))
+    assert costs.policy_op == pytest.approx(steady(0.003 / (block.end_op - block.first_op)))
+    assert costs.region == pytest.approx(steady(1e-3))  # per region and per tensor: the chains'
+    assert costs.saved_tensor == pytest.approx(steady(1e-5))
+
+
+def test_without_a_timed_block_the_chains_costs_and_untimed_work_stand(zoo):
+    _, prof, _ = zoo.get("gpt")
+    timed, _ = _with_unit(prof, 0.0, 0.0, 0.0)
+    untimed = max(0.0, prof.step_time - sum(op.time for op in prof.ops)) / len(prof.ops)
+    assert step_costs(timed).recompute_op == pytest.approx(steady(1e-5 + untimed))
+    assert step_costs(timed).policy_op == pytest.approx(steady(1e-5))
+
+
+def test_a_block_timed_faster_than_its_parts_costs_nothing_not_less(zoo):
+    _, prof, _ = zoo.get("gpt")
+    timed, _ = _with_unit(prof, 0.1, 0.1, -0.001)  # noise: the region no slower than plain
+    assert step_costs(timed).recompute_op == 0.0 and step_costs(timed).policy_op == 0.0

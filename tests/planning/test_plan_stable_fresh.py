@@ -1,0 +1,34 @@
+"""The demo's model, budget and machine give one plan from two fresh profiles (issue #31).
+
+tests/planning/test_costs_stable.py plans twice in one process, where the second
+profile reuses the first one's settled times; here everything a process keeps is
+dropped in between (op and step times, the block's timings, the engine's costs),
+so the second profile measures afresh, as the demo run again in a new process does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gradckpt
+from gradckpt.cli.demo import DEMO_SIZES, LR
+from gradckpt.planning.plan import Segment
+from gradckpt.profiling import calibration
+from gradckpt.testing import make
+
+
+def _demo_plan(ex, optimizer) -> gradckpt.Plan:
+    """What ``gradckpt demo`` plans at its default budget (half the whole step's peak)."""
+    calibration.forget()  # as in a new process
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2, optimizer=optimizer)
+    return gradckpt.Planner(prof).plan(0.5)
+
+
+def test_two_fresh_profiles_of_the_demo_model_plan_the_same_decisions(one_thread):
+    ex = make("gpt", seed=0, **DEMO_SIZES)
+    optimizer = torch.optim.AdamW(ex.model.parameters(), lr=LR)
+    first, second = _demo_plan(ex, optimizer), _demo_plan(ex, optimizer)
+    # The budget forces real decisions (segments, or units not kept).
+    assert any(isinstance(i, Segment) or i.mode != "keep" for i in first.items)
+    assert first.items == second.items, (first.summary(), second.summary())
+    calibration.forget()
