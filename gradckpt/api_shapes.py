@@ -11,8 +11,9 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,11 +23,13 @@ from gradckpt import replan
 from gradckpt.api_budget import budget_profile
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
+from gradckpt.apply.real_shape import measured_at_shape, step_peak
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Plan, Segment
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.planset import ShapeKey
+from gradckpt.planning.rescale import with_measured_workspace
 from gradckpt.planning.simulate import simulate
 from gradckpt.planning.solvers import Solver
 from gradckpt.planning.whole_step import with_training_step
@@ -108,15 +111,45 @@ def plan_fitted(
         count = measure_candidates if options.solver == "dp" else 1
         with shape_guard.paused(model):  # candidates are applied and run by hand
             chosen = fastest_measured(model, recording, planner, chosen, count)
-    if not calls and given is not None:
-        if not measured:  # nothing ran for real yet
-            preparing = adapters.preparing(model, fake=True)
-            with preparing, torch.no_grad(), fake_model(model) as mode, mode:
-                recording()  # only to see the call's shapes; nothing is allocated
+    if not calls and given is not None and not measured:  # nothing ran for real yet
+        _see_call(model, recording)
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = Planner(prof, segments=False, offload=options.offload).plan(budget_bytes, options.solver)
-    return (calls[0] if calls else None), chosen, prof
+            chosen = Planner(prof, segments=False, offload=options.offload).plan(
+                budget_bytes, options.solver
+            )
+    fitted = replace(calls[0], profile=prof, plan=chosen) if calls else None
+    return fitted, chosen, prof
+
+
+class _Seen(Exception):
+    """Raised by the hook that saw the model's call: nothing after it needs to run."""
+
+
+def _see_call(model: nn.Module, recording: LossFn) -> None:
+    """Run ``recording`` under fake tensors only up to the model's call (its shapes).
+
+    The model's forward and the loss after it never run, so neither the user's
+    hooks nor a ``loss.item()`` in ``loss_fn`` meet a fake tensor; a step that
+    fails before it calls the model is seen as not calling it.
+    """
+
+    calls = recording.calls  # type: ignore[attr-defined]
+
+    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not calls:  # this hook runs before the one recording() registers
+            calls.append(replan.Call(args, dict(kwargs), replan.shape_key(args, kwargs)))
+        raise _Seen
+
+    preparing = adapters.preparing(model, fake=True)
+    with preparing, torch.no_grad(), fake_model(model) as mode, mode:
+        handle = model.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+        try:
+            recording()
+        except Exception:  # _Seen, or a step that failed before the call: shapes only
+            pass
+        finally:
+            handle.remove()
 
 
 def shape_planner(
@@ -139,12 +172,26 @@ def shape_planner(
         return profile_step(model, step, blocks=options.blocks, fake=True)
 
     def solve_profile(prof: Profile) -> Plan:
-        whole = with_training_step(prof, options.step)
-        return Planner(whole, segments=options.segments, offload=options.offload).plan(budget_bytes, options.solver)
+        whole = with_training_step(with_measured_workspace(prof, fitted.profile), options.step)
+        return Planner(whole, segments=options.segments, offload=options.offload).plan(
+            budget_bytes, options.solver
+        )
+
+    leanest: list[Plan] = []  # made at the first real re-plan, from the fitted profile
+
+    def measure_real(call: replan.Call) -> Plan:
+        if fitted.profile is None:
+            raise RuntimeError("no fitted profile to take the leanest plan from")
+        if not leanest:
+            planner = Planner(fitted.profile, segments=options.segments, offload=options.offload)
+            leanest.append(planner.least_peak()[0])
+        step = replan.step_at(model, call, loss_from)
+        return measured_at_shape(model, step, leanest[0], budget_bytes, fitted.profile)
 
     return replan.ShapePlanner(
-        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale
-    )
+        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale,
+        measure_real=measure_real,
+    )  # fmt: skip
 
 
 def plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Plan:
@@ -181,9 +228,10 @@ def guard(
 
     def predict(chosen: Plan, args: tuple, kwargs: dict[str, Any]) -> int:
         call = replan.Call(args, kwargs, replan.shape_key(args, kwargs))
-        return simulate(with_training_step(planner.profile_call(call), step), chosen).peak_bytes
+        planner.routes[call.key] = "old-plan"
+        return _predicted_or_measured(model, planner, chosen, call, step)
 
-    return shape_guard.ShapeGuard(
+    made = _RoutedGuard(
         on_new_shape,
         plans,
         active,
@@ -192,4 +240,46 @@ def guard(
         predictor=predict,
         round_up=round_up,
         rescaled=lambda: planner.rescaled,
+        routes=lambda: planner.routes,
     )
+    planner.current = lambda: made.plans.get(made.active)
+    return made
+
+
+@dataclass(eq=False)
+class _RoutedGuard(shape_guard.ShapeGuard):
+    """The guard ``fit`` installs: its stats also say how each shape got its plan."""
+
+    routes: Callable[[], dict[ShapeKey, str]] = field(default=dict)
+
+    def stats(self) -> shape_guard.ShapeStats:
+        routes = tuple((k.describe(), r) for k, r in self.routes().items())
+        return replace(super().stats(), routes=routes)
+
+
+def _predicted_or_measured(
+    model: nn.Module, planner: replan.ShapePlanner, chosen: Plan, call: replan.Call,
+    step: TrainingStep | None,
+) -> int:  # fmt: skip
+    """``chosen``'s peak at ``call``: simulated on a fake profile, else measured on one real
+    step under it (what the caller's step runs next anyway), else its peak where it was made."""
+    try:
+        prof = with_measured_workspace(planner.profile_call(call), planner.fitted.profile)
+        return simulate(with_training_step(prof, step), chosen).peak_bytes
+    except Exception as exc:  # the step cannot run under fake tensors
+        fake_failed = type(exc).__name__  # not exc: its traceback holds real tensors
+    fitted = planner.fitted.profile
+    try:
+        if fitted is None:
+            raise RuntimeError("no fitted profile")
+        measured = step_peak(model, replan.step_at(model, call, planner.loss_from), chosen)
+        pred = simulate(fitted, chosen)
+        return fitted.param_bytes + measured + max(0, pred.peak_bytes - pred.fwd_bwd_peak_bytes)
+    except Exception as exc:
+        warnings.warn(
+            f"gradckpt: the peak at {call.key.describe()} could not be predicted (fake tensors: "
+            f"{fake_failed}; a real step: {type(exc).__name__}: {exc}); the "
+            "figure below is the plan's predicted peak at the shape it was made for",
+            stacklevel=6,
+        )
+        return chosen.predicted_peak_bytes

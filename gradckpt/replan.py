@@ -18,18 +18,40 @@ dtype=torch.long))``: label values do not change memory, only shapes do).
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.planset import ShapeKey, shape_key
 from gradckpt.planning.simulate import simulate
+from gradckpt.profiling.fake import fake_op_names
 
-__all__ = ["Call", "LossFrom", "calls_for", "capture_call", "default_loss_from", "step_at"]
+__all__ = [
+    "ROUTES",
+    "Call",
+    "LossFrom",
+    "ShapePlanner",
+    "calls_for",
+    "capture_call",
+    "default_loss_from",
+    "step_at",
+]
+
+logger = logging.getLogger("gradckpt")
+
+#: How a shape got its plan, in the order they are tried (``shape_stats(model).routes``):
+#: measured at ``fit``; a fake-tensor profile at the shape; a fake profile rescaled from
+#: other lengths (op sequence checked at the shape); one real step at the shape under
+#: the leanest plan, measured at the allocator; the plan the model had (said in a warning).
+ROUTES = ("fitted", "fake", "rescaled", "real-frugal", "old-plan")
 
 LossFrom = Callable[..., torch.Tensor]  # (output, *args, **kwargs) -> scalar loss
 
@@ -41,6 +63,10 @@ class Call:
     args: tuple
     kwargs: dict[str, Any]
     key: ShapeKey
+    #: The fitted call only: the whole-step profile and plan ``fit`` made from it
+    #: (what the real re-plan route falls back on).
+    profile: Any = field(default=None, compare=False, repr=False)
+    plan: Any = field(default=None, compare=False, repr=False)
 
 
 def default_loss_from(output: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -186,13 +212,28 @@ def length_of(fitted: ShapeKey, key: ShapeKey, seq_dim: int) -> tuple[int, int] 
     return (at, new) if new is not None else None
 
 
-class ShapePlanner:
-    """Plans a model call at its shape: rescaled from profiles when exact, else fake-profiled.
+def _reason(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first[:200]}"
 
-    A call that differs from the fitted one only in sequence length is planned
-    from a :class:`~gradckpt.planning.rescale.LengthScaling` built (once, at the first
-    such call) from fake profiles at four lengths; any other call, or a model the
-    scaling refuses, is profiled under fake tensors at its own shape.
+
+class ShapePlanner:
+    """Plans a model call at its shape, by the first route of :data:`ROUTES` that works.
+
+    1. **fake** / **rescaled**: a call that differs from the fitted one only in
+       sequence length is planned from a :class:`~gradckpt.planning.rescale.LengthScaling`
+       built (once, at the first such call) from fake profiles at four lengths,
+       accepted only when a fake trace of the forward at the new length
+       dispatches the same ops as at the lengths it was fitted on (a branch on
+       the length refuses it); any other call is profiled under fake tensors.
+       User hooks are suspended while fake tensors run.
+    2. **real-frugal**: the fake route failed (an op without a fake kernel, a fake
+       kernel stricter than the real one, a value read, a data-dependent
+       shape): ``measure_real(call)`` runs one real step at the shape under the
+       leanest plan known and keeps it if its allocator peak fits the budget
+       (:class:`BudgetError` if not: nothing fits).
+    3. **old-plan**: that failed too: the plan the model has keeps running, with
+       a warning giving its predicted peak.
     """
 
     def __init__(
@@ -204,31 +245,107 @@ class ShapePlanner:
         solve_profile: Callable[[Any], Any],
         seq_dim: int = 1,
         rescale: bool = True,
+        measure_real: Callable[[Call], Any] | None = None,
     ) -> None:
         self.model, self.fitted, self.loss_from = model, fitted, loss_from
         self.profile_fake, self.solve_profile, self.seq_dim = profile_fake, solve_profile, seq_dim
         self.rescale = rescale
+        self.measure_real = measure_real
+        #: The plan the model runs now (the guard sets it); the old-plan route keeps it.
+        self.current: Callable[[], Any] = lambda: fitted.plan
         self.scaling: Any = None
         self.scaling_tried = False
+        self.scaling_ops: tuple[str, ...] | None = None  # the op trace the scaling assumes
         self.rescaled = 0  # plans made from the scaling (no profile at their shape)
+        self.routes: dict[ShapeKey, str] = {fitted.key: "fitted"}
 
     def profile_call(self, call: Call) -> Any:
-        return self.profile_fake(step_at(self.model, call, self.loss_from))
+        """A fake profile of the step at ``call`` (user hooks are suspended by ``fake_model``)."""
+        # torch logs a failing fake kernel as an error before raising it; the failure is
+        # handled here (the next route), so the log would only alarm.
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        level, quiet.level = quiet.level, logging.CRITICAL
+        try:
+            return self.profile_fake(step_at(self.model, call, self.loss_from))
+        finally:
+            quiet.setLevel(level)
 
     def __call__(self, call: Call) -> Any:
+        try:
+            plan, route = self._fake_route(call)
+        except BudgetError:
+            raise  # a true answer: no plan fits at this shape
+        except Exception as exc:  # the step cannot run under fake tensors
+            # Only its text is kept: its traceback holds the failed pass's real tensors
+            # (buffer snapshots), which must not sit beside the real step that follows.
+            failure = _reason(exc)
+        else:
+            self.routes[call.key] = route
+            return plan
+        plan, route = self._after_fake(call, failure)
+        self.routes[call.key] = route
+        return plan
+
+    def _fake_route(self, call: Call) -> tuple[Any, str]:
         lengths = length_of(self.fitted.key, call.key, self.seq_dim) if self.rescale else None
         if lengths is None:
-            return self.solve_profile(self.profile_call(call))
-        if self.scaling is not None:
+            return self.solve_profile(self.profile_call(call)), "fake"
+        if self.scaling is not None and self._same_ops(call):
             prof = self.scaling.at(lengths[1])
             if prof is not None:
                 self.rescaled += 1
-                return self.solve_profile(prof)
+                return self.solve_profile(prof), "rescaled"
         prof = self.profile_call(call)
         if not self.scaling_tried:
             self.scaling_tried = True
             self.scaling = self._fit_scaling(lengths, prof)
-        return self.solve_profile(prof)
+            if self.scaling is not None:
+                self.scaling_ops = self._op_names(call)
+        return self.solve_profile(prof), "fake"
+
+    def _op_names(self, call: Call) -> tuple[str, ...]:
+        return fake_op_names(self.model, lambda: self.model(*call.args, **call.kwargs))
+
+    def _same_ops(self, call: Call) -> bool:
+        """Whether the forward at ``call`` dispatches the ops the scaling was fitted on."""
+        try:
+            return self._op_names(call) == self.scaling_ops
+        except Exception:
+            return False  # profiled instead, which says why if it fails too
+
+    def _after_fake(self, call: Call, failure: str) -> tuple[Any, str]:
+        reasons = [f"fake tensors: {failure}"]
+        if self.measure_real is not None:
+            try:
+                plan = self.measure_real(call)
+            except BudgetError:
+                raise
+            except Exception as real_exc:  # the next route says why
+                reasons.append(f"a real step under the leanest plan: {_reason(real_exc)}")
+            else:
+                logger.info(
+                    "gradckpt: planned %s from one real step under the leanest plan (%s at the "
+                    "allocator; %s)", call.key.describe(),
+                    format_bytes(plan.predicted_peak_bytes), reasons[0],
+                )  # fmt: skip
+                return plan, "real-frugal"
+        old = self.current()
+        if old is None:
+            raise RuntimeError(
+                f"gradckpt could not plan the input shape {call.key.describe()} ("
+                + "; ".join(reasons)
+                + "); pass shapes= only at lengths the model runs at"
+            )
+        peak = format_bytes(old.predicted_peak_bytes)
+        budget = format_bytes(old.budget_bytes) if old.budget_bytes else "none"
+        warnings.warn(
+            f"gradckpt: could not plan the input shape {call.key.describe()} ("
+            + "; ".join(reasons)
+            + f"). Running the plan the model has: its predicted peak at the shape it was made "
+            f"for is {peak} against the budget of {budget}; at this shape it may be higher.",
+            stacklevel=5,
+        )
+        return old, "old-plan"
 
     def _fit_scaling(self, lengths: tuple[int, int], at_new: Any) -> Any:
         from gradckpt.planning.rescale import fit_length_scaling

@@ -33,7 +33,7 @@ from gradckpt.planning.solvers import none_plan
 from gradckpt.profiling.fake import SPEEDS, estimate_time
 from gradckpt.profiling.records import Profile
 
-__all__ = ["LengthScaling", "fit_length_scaling"]
+__all__ = ["LengthScaling", "fit_length_scaling", "with_measured_workspace"]
 
 Poly = tuple[Fraction, Fraction, Fraction]  # a + b*n + c*n**2
 
@@ -138,3 +138,50 @@ def fit_length_scaling(profiles: Mapping[int, Profile]) -> LengthScaling | None:
             return None
         flops_at.append(poly)
     return LengthScaling(base, tuple(lengths), tuple(bytes_at), tuple(flops_at))
+
+
+def with_measured_workspace(prof: Profile, measured: Profile | None) -> Profile:
+    """A fake (or rescaled) ``prof`` with each op's kernel workspace taken from ``measured``.
+
+    Fake tensors run no kernels, so a fake profile has no workspace (convolution
+    backward's columns: several percent of a conv model's peak). ``measured`` is a
+    real profile of the same model at another shape (the one ``fit`` measured at
+    the allocator). Ops are matched by kind: the k-th op of a name (forward or
+    backward) in ``prof`` is the k-th in ``measured`` when both have as many of
+    that name (the losses may differ: ``loss_from`` is not ``loss_fn``). Each
+    matched op's workspace is scaled by how much its largest output or its FLOPs
+    grew (workspace follows the size of the data the kernel works on).
+    """
+    if measured is None or not prof.fake or measured.peak_level != "allocator":
+        return prof
+    if not any(o.workspace for o in measured.ops):
+        return prof
+    ours, theirs = _by_kind(prof), _by_kind(measured)
+    twin = {}
+    for kind, indices in ours.items():
+        if len(theirs.get(kind, ())) == len(indices):
+            twin.update(zip(indices, theirs[kind]))
+    ops = []
+    for op in prof.ops:
+        ref = measured.ops[twin[op.index]] if op.index in twin else None
+        if ref is None or not ref.workspace or len(ref.outputs) != len(op.outputs):
+            ops.append(op)
+            continue
+        grown = [
+            Fraction(prof.storages[a].nbytes, measured.storages[b].nbytes)
+            for a, b in zip(op.outputs, ref.outputs)
+            if measured.storages[b].nbytes
+        ]
+        if ref.flops and op.flops:  # a weight gradient's size stays, the work behind it grows
+            grown.append(Fraction(op.flops, ref.flops))
+        scaled = ref.workspace * max(grown, default=Fraction(1))
+        ops.append(replace(op, workspace=-(-scaled.numerator // scaled.denominator)))
+    with_ws = replace(prof, ops=tuple(ops))
+    return replace(with_ws, measured_peak_bytes=simulate(with_ws, none_plan(with_ws)).peak_bytes)
+
+
+def _by_kind(prof: Profile) -> dict[tuple[str, bool], list[int]]:
+    kinds: dict[tuple[str, bool], list[int]] = {}
+    for op in prof.ops:
+        kinds.setdefault((op.name, op.backward), []).append(op.index)
+    return kinds

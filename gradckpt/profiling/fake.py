@@ -10,7 +10,7 @@ times cannot be measured; they are estimated from FLOPs and bytes moved
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "estimate_time",
     "fake_device_of",
     "fake_model",
+    "fake_op_names",
+    "user_hooks_suspended",
     "with_estimated_times",
 ]
 
@@ -68,6 +71,8 @@ def fake_model(
     """Swap ``model``'s parameters and buffers for fake ones (on ``device``) while inside.
 
     Tied parameters stay tied. The real (or meta) tensors are put back on exit.
+    The user's module hooks are suspended meanwhile (:func:`user_hooks_suspended`):
+    they never see a fake tensor.
 
     Example:
         >>> with fake_model(model, "cpu") as mode, mode:
@@ -76,6 +81,8 @@ def fake_model(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swapped: list[tuple[dict, str, object]] = []
     made: dict[int, torch.Tensor] = {}
+    hooks = user_hooks_suspended(model)
+    hooks.__enter__()
     try:
         with mode:
             for module in model.modules():
@@ -96,6 +103,7 @@ def fake_model(
     finally:
         for table, name, original in reversed(swapped):
             table[name] = original
+        hooks.__exit__(None, None, None)
 
 
 class AnsweredScalars(TorchDispatchMode):
@@ -201,3 +209,83 @@ def with_estimated_times(prof: Profile, device: torch.device) -> Profile:
         fake=True,
         device=device.type,
     )
+
+
+# The module hook tables a fake profile must not run the user's entries of: each
+# module's, and the global ones (``register_module_forward_hook`` and friends).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_TABLES = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def _is_users(hook: object) -> bool:
+    """A hook the user (or a library outside torch and gradckpt) registered."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # bound methods
+    where = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return not (where == "torch" or where.startswith(("torch.", "gradckpt")))
+
+
+@contextlib.contextmanager
+def user_hooks_suspended(model: nn.Module) -> Iterator[int]:
+    """Take the user's forward/backward hooks off ``model``'s modules and the global
+    tables while inside (yields how many); they are put back, in order, on exit.
+
+    A fake profile runs the model on tensors without values: a hook that logs
+    ``.item()`` would fail, one that stores activations would keep fake tensors.
+    torch's and gradckpt's own hooks stay (they are part of how the step runs).
+    """
+    import torch.nn.modules.module as module_mod
+
+    tables = [getattr(m, name) for m in model.modules() for name in _HOOK_TABLES]
+    tables += [getattr(module_mod, name) for name in _GLOBAL_TABLES]
+    saved: list[tuple[dict, list[tuple[int, object]], set[int]]] = []
+    for table in tables:
+        taken = {k for k, hook in table.items() if _is_users(hook)}
+        if taken:
+            saved.append((table, list(table.items()), taken))
+            for k in taken:
+                del table[k]
+    try:
+        yield sum(len(t) for _, _, t in saved)
+    finally:
+        for table, before, taken in saved:
+            added = [(k, h) for k, h in table.items() if all(k != b for b, _ in before)]
+            kept = [(k, h) for k, h in before if k in taken or k in table]
+            table.clear()
+            table.update(kept + added)
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def fake_op_names(model: nn.Module, forward: Callable[[], object]) -> tuple[str, ...]:
+    """The ATen ops ``forward()`` dispatches on ``model`` under fake tensors, in order.
+
+    Cheap next to a profile (one forward without grad, no recorder): it tells
+    whether two shapes of a call take the same code path, which is what
+    rescaling a profile across lengths assumes.
+    """
+    # Without grad: an installed plan's wrappers run their units plainly, so the trace
+    # does not depend on which plan the model has now.
+    names = _OpNames()
+    with (
+        adapters.preparing(model, fake=True),
+        fake_model(model) as mode,
+        torch.no_grad(),
+        mode,
+        names,
+    ):
+        forward()
+    return tuple(names.names)
