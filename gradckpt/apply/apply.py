@@ -92,9 +92,11 @@ def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
 
 def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
     modules = dict(model.named_modules())
-    # [shapes #9] A shape guard checks every call; the units' first-call check would
-    # only repeat it (and misfire on a shape run under a larger shape's plan).
-    shapes = dict(plan.input_shapes) if shape_guard.guard_of(model) is None else {}
+    # [shapes #9] A shape guard that knows its plan's call shape checks every call; the
+    # units' check would only repeat it (and misfire on a shape run under a larger
+    # shape's plan). One that does not (a plan applied alone) learns it from the units.
+    guard = shape_guard.guard_of(model)
+    shapes = dict(plan.input_shapes) if guard is None or guard.active is None else {}
     specs: dict[str, UnitSpec] = {}
     runtimes: dict[type, object] = {}  # per decision kind: its install(plan), made once
 
@@ -136,7 +138,11 @@ def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error"
     A :class:`~gradckpt.PlanSet` (plans per input shape) installs a shape guard:
     every call switches to the plan of its shape; a shape the set lacks raises
     (``on_new_shape="error"``) or runs the current plan with one warning
-    (``"warn"``). To plan new shapes as they come, use ``gradckpt.fit``.
+    (``"warn"``). A single plan is guarded too, as ``"warn"``: one warning per
+    new input shape (the plan's shape is learned from the first call whose
+    units get the inputs they were planned for). Applying again a plan that the
+    model's guard holds (``fit``'s) keeps that guard. To plan new shapes as they
+    come, use ``gradckpt.fit``.
 
     Example:
         >>> plan = gradckpt.Plan.load("plan.json")
@@ -152,8 +158,22 @@ def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error"
             "gradckpt.Plan.load(path))"
         )
     _check_plan(model, plan)
-    shape_guard.forget(model)  # [shapes #9] a plan applied by hand ends any shape guard
-    return install_plan(model, plan)
+    held = shape_guard.guard_of(model)
+    if held is not None:
+        key = next((k for k, p in held.plans.items() if p == plan), _NOT_HELD)
+        if key is not _NOT_HELD:  # fit's plan applied again: its guard (and re-planning) stays
+            install_plan(model, plan)
+            held.active = key
+            return model
+    # [shapes #9] any other plan applied by hand ends the guard it replaces, and gets
+    # one that warns at new shapes (with the old one's predictions when it had any).
+    guard = shape_guard.ShapeGuard(
+        "warn", {None: plan}, None, None, predictor=held.predictor if held is not None else None
+    )
+    return install_guarded(model, plan, guard)
+
+
+_NOT_HELD = object()
 
 
 def _apply_set(model: nn.Module, plans: PlanSet, on_new_shape: str) -> nn.Module:
@@ -165,19 +185,19 @@ def _apply_set(model: nn.Module, plans: PlanSet, on_new_shape: str) -> nn.Module
     for _, each in plans:
         _check_plan(model, each)
     first_key, first = plans.entries[0]
-    guard = shape_guard.ShapeGuard(
-        on_new_shape, plans.plans, first_key, lambda p: install_plan(model, p)
-    )
+    # A single-plan file loads with key None: the guard learns its key from the units.
+    guard = shape_guard.ShapeGuard(on_new_shape, plans.plans, first_key, None)
     return install_guarded(model, first, guard)
 
 
 def install_guarded(model: nn.Module, plan: Plan, guard: shape_guard.ShapeGuard) -> nn.Module:
     """Install ``plan`` with ``guard`` checking every call (``fit``, plan sets)."""
     _check_plan(model, plan)
-    _uninstall(model)  # the root wrapper must be (re)made with the guard in place
     shape_guard.install(model, guard)
     try:
-        return install_plan(model, plan)
+        # Rebuilt even if the plan is installed: the root wrapper and the units' shape
+        # checks are made for the guard in place. Settings made for the plan stay.
+        return install_plan(model, plan, rebuild=True)
     except BaseException:
         shape_guard.forget(model)
         raise
@@ -194,13 +214,16 @@ def _check_plan(model: nn.Module, plan: Plan) -> None:
         )
 
 
-def install_plan(model: nn.Module, plan: Plan) -> nn.Module:
-    """``apply`` without ending a shape guard: how the guard switches plans."""
+def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Module:
+    """``apply`` without touching the shape guard: how the guard switches plans.
+
+    ``rebuild``: install the wrappers again even if ``plan`` is installed already.
+    """
     _check_plan(model, plan)
     current = _installed(model)
     undo: list[Callable[[], None]] = []
     if current is not None:
-        if current.plan == plan:
+        if current.plan == plan and not rebuild:
             return model
         undo = current.undo  # settings made for the plan (use_cache) stay for the next one
         current.undo = []

@@ -21,6 +21,16 @@ the smallest such plan (only for models whose peak is monotone in shape; see
 :func:`gradckpt.planning.planset.proves_monotone`). Calls without grad (eval) are not
 guarded: nothing is kept for backward, so the plan does not matter.
 
+Every path that runs a plan has a guard: ``fit``'s (above), a plan set's, and
+``apply(model, plan)``'s, which warns (a plan alone records its units' input
+shapes, not the model call's key: the guard learns the key from the first call
+whose units all get the shapes they were planned for, and warns once for any
+other key). The guard lives on the model (in its ``__dict__``), so copies carry
+it: a ``copy.deepcopy`` keeps it whole (re-planning through the original's
+planner, which plans the same structure), a pickled or ``torch.save``'d copy
+keeps its plans, policy and budget but cannot plan, so ``"replan"`` becomes
+``"warn"`` there. An argument the key cannot read is named in one warning.
+
 The guard only decides; planning and predicting are given to it as callables
 (``gradckpt.fit`` builds them from the upper layers), and the switch is apply's.
 """
@@ -28,6 +38,7 @@ The guard only decides; planning and predicting are given to it as callables
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -40,6 +51,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from gradckpt.apply import guard_copies
+from gradckpt.apply.guard_learning import Learning, finish, learning, start
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.plan import Plan
@@ -48,19 +61,25 @@ from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [
     "POLICIES",
+    "Learning",
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
     "check",
+    "finish",
     "forget",
     "guard_of",
     "guards",
     "install",
+    "learning",
     "paused",
     "shape_stats",
 ]
 
 POLICIES = ("replan", "warn", "error")
+
+# The attribute of the model's __dict__ that holds its guard (copied and pickled with it).
+_ATTR = "_gradckpt_shape_guard"
 
 Planner = Callable[[tuple, dict], Plan]  # (args, kwargs) of a call -> a plan for its shape
 Predictor = Callable[[Plan, tuple, dict], int]  # a plan's predicted peak at a call's shape
@@ -88,6 +107,8 @@ class ShapeStats:
     active: str
     rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
     recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
+    #: (shape, route) per planned shape: how it got its plan (gradckpt.replan.ROUTES)
+    routes: tuple[tuple[str, str], ...] = ()
 
     @property
     def replan_seconds_total(self) -> float:
@@ -113,7 +134,7 @@ class ShapeGuard:
     policy: str
     plans: dict[ShapeKey | None, Plan]
     active: ShapeKey | None
-    switch: Callable[[Plan], None]
+    switch: Callable[[Plan], None] | None  # None: a copy's, bound to it at its first call
     planner: Planner | None = None
     predictor: Predictor | None = None
     round_up: bool = False
@@ -123,6 +144,9 @@ class ShapeGuard:
     replans: list[float] = field(default_factory=list)
     switches: int = 0
     warned: set[ShapeKey] = field(default_factory=set)
+    note: str = ""  # why this guard warns rather than plans (a copy, a plan applied by hand)
+    unread: set[str] = field(default_factory=set)  # arguments already named as unreadable
+    owner: weakref.ref | None = None  # the model guarded (None: a copy, bound at its first call)
     _busy: threading.local = field(default_factory=threading.local)
 
     def __post_init__(self) -> None:
@@ -152,29 +176,36 @@ class ShapeGuard:
             recompiles=self.recompiles() if self.recompiles is not None else 0,
         )
 
-    def on_call(self, args: tuple, kwargs: dict) -> None:
-        """Check one call before it runs; switch, plan, warn or raise as the policy says."""
+    def on_call(self, args: tuple, kwargs: dict) -> Learning | None:
+        """Check one call before it runs; switch, plan, warn or raise as the policy says.
+
+        Returns the call's :class:`Learning` record when the plan's call shape is
+        not known yet (its units then check their inputs; see :func:`finish`).
+        """
         if getattr(self._busy, "redispatched", False):
             self._busy.redispatched = False  # this call was checked by the root it left
-            return
+            return None
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
-            return  # eval, or our own profiling call of the model
+            return None  # eval, or our own profiling call of the model
         self.calls += 1
         key = shape_key(args, kwargs)
         if key == self.active:
-            return
+            if self.calls == 1:
+                self._name_unread(key)
+            return None
+        self._name_unread(key)
         known = self.plans.get(key)
         if known is not None:
             self._switch(key, known)
-            return
+            return None
         if self.round_up:
             bound = _bounding(self.plans, key)
             if bound is not None:
                 if bound[0] != self.active:
                     self._switch(bound[0], bound[1])
-                return
+                return None
         if self.active is None:
-            return  # a plan whose shape was never recorded: nothing to compare with
+            return self._learn(key)
         if self.policy == "error":
             raise ShapeError(
                 f"gradckpt: the model was called with inputs {key.describe()}, but it has plans "
@@ -183,13 +214,60 @@ class ShapeGuard:
             )
         if self.policy == "warn":
             self._warn(key, args, kwargs)
-            return
+            return None
         self._replan(key, args, kwargs)
+        return None
+
+    def _name_unread(self, key: ShapeKey) -> None:
+        # Once per argument: the key holds such an argument's type, not what it holds.
+        new = [u for u in key.unread() if u not in self.unread]
+        if not new:
+            return
+        self.unread.update(new)
+        warnings.warn(
+            f"gradckpt: the shape guard cannot read the model's argument(s) {', '.join(new)}: "
+            "a change inside them (a tensor's shape, a length) is not seen as a new shape, so "
+            "its plan is neither switched nor re-planned. Pass tensors, plain values, or "
+            "dicts/lists/tuples/dataclasses of them.",
+            stacklevel=5,
+        )
+
+    def _learn(self, key: ShapeKey) -> Learning | None:
+        """A call at ``key`` under a plan whose call shape is unknown: its units check it."""
+        if key in self.warned:
+            return None  # said once already: runs the plan, unchecked
+        (plan,) = self.plans.values()
+        if not plan.input_shapes:  # nothing to check against: the plan is taken as made for it
+            self.learned(key)
+            return None
+        return start(self, key)
+
+    def learned(self, key: ShapeKey) -> None:
+        """Record ``key`` as the call shape of the plan applied without one."""
+        if self.active is None and None in self.plans:
+            self.plans[key] = self.plans.pop(None)
+            self.active = key
+
+    def unit_mismatch(self, key: ShapeKey, path: str, planned: tuple, got: tuple) -> None:
+        """A unit of a call at ``key`` got inputs of another shape than its plan's: warn or raise."""
+        (plan,) = self.plans.values()
+        where = (
+            f"{path} was planned for inputs of shape {planned} but got {got} (model inputs "
+            f"{key.describe()})"
+        )
+        if self.policy == "error":
+            raise ShapeError(
+                f"gradckpt: {where}; plan this shape (gradckpt.plan(..., shapes=[...])), or "
+                "apply with on_new_shape='warn'"
+            )
+        self.warned.add(key)
+        self._say(where, plan, None)
 
     def _known(self) -> str:
         return "; ".join(k.describe() for k in self.plans if k is not None) or "(none recorded)"
 
     def _switch(self, key: ShapeKey, plan: Plan) -> None:
+        assert self.switch is not None, "a copy's guard is bound at its model's first call"
         self.switch(plan)
         self.active = key
         self.switches += 1
@@ -211,17 +289,36 @@ class ShapeGuard:
         self.warned.add(key)
         plan = self.plans[self.active]
         peak = (
-            format_bytes(self._busy_call(self.predictor, plan, args, kwargs))
+            self._busy_call(self.predictor, plan, args, kwargs)
             if self.predictor is not None
-            else "unknown (no planner: apply a plan set made by gradckpt.plan(..., shapes=))"
+            else None
         )
+        made_for = self.active.describe() if self.active else "?"
+        self._say(
+            f"the model was called with inputs {key.describe()}, but its plan was made for "
+            f"{made_for}",
+            plan,
+            peak,
+        )
+
+    def _say(self, what: str, plan: Plan, peak: int | None) -> None:
+        """The one warning of a new shape: what runs, its predicted peak, the budget."""
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        if peak is not None:
+            at = f"its predicted peak at this shape is {format_bytes(peak)}"
+        elif plan.predicted_peak_bytes:
+            at = (
+                f"its predicted peak is {format_bytes(plan.predicted_peak_bytes)} at the shape it "
+                "was made for and not known at this one (no planner)"
+            )
+        else:
+            at = "its peak at this shape is not known (no planner, no recorded prediction)"
         warnings.warn(
-            f"gradckpt: the model was called with inputs {key.describe()}, but its plan was made "
-            f"for {self.active.describe() if self.active else '?'}; running the old plan "
-            f"(on_new_shape='warn'): its predicted peak at this shape is {peak} against the "
-            f"budget of {budget}. Use on_new_shape='replan' to hold the budget.",
-            stacklevel=4,
+            f"gradckpt: {what}; running that plan (on_new_shape='warn'): {at}, against the "
+            f"budget of {budget}. To hold the budget at every shape, use gradckpt.fit(model, "
+            f"loss_fn, budget) (on_new_shape='replan') or plan the shapes "
+            f"(gradckpt.plan(..., shapes=[...])).{self.note}",
+            stacklevel=5,
         )
 
     def _replan(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
@@ -241,6 +338,24 @@ class ShapeGuard:
         self.plans[key] = plan
         self._switch(key, plan)
 
+    def bind(self, model: nn.Module) -> None:
+        """Make ``model`` the guarded one; a copy's guard then switches the copy's plans."""
+        self.owner = weakref.ref(model)
+        if self.switch is None:
+            from gradckpt.apply.apply import install_plan  # apply imports this module
+
+            self.switch = functools.partial(install_plan, model)
+
+    def copied(self, keep_planner: bool) -> ShapeGuard:
+        """This guard for a copy of its model (see :mod:`gradckpt.apply.guard_copies`)."""
+        return guard_copies.copied(self, keep_planner)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShapeGuard:
+        return guard_copies.deepcopied(self, memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return guard_copies.reduced(self)
+
 
 def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
     """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
@@ -248,21 +363,32 @@ def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeK
     return min(found, key=lambda kp: kp[0].numel()) if found else None
 
 
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, ShapeGuard] = weakref.WeakKeyDictionary()
-
-
 def install(model: nn.Module, guard: ShapeGuard) -> None:
-    """Guard ``model``'s calls with ``guard`` (apply then installs the root wrapper, which checks)."""
-    _GUARDS[model] = guard
+    """Guard ``model``'s calls with ``guard`` (apply then installs the root wrapper, which checks).
+
+    The guard is kept in the model's ``__dict__``: copies of the model carry it.
+    """
+    guard.bind(model)
+    model.__dict__[_ATTR] = guard
 
 
 def forget(model: nn.Module) -> None:
-    """Stop guarding ``model`` (``remove``, or a plan applied by hand)."""
-    _GUARDS.pop(model, None)
+    """Stop guarding ``model`` (``remove``)."""
+    model.__dict__.pop(_ATTR, None)
 
 
 def guard_of(model: nn.Module) -> ShapeGuard | None:
-    return _GUARDS.get(model)
+    """The shape guard of ``model`` (a copy's is bound to the copy here), or None."""
+    guard = model.__dict__.get(_ATTR) if isinstance(model, nn.Module) else None
+    if not isinstance(guard, ShapeGuard):
+        return None
+    owner = guard.owner() if guard.owner is not None else None
+    if owner is not model:
+        if owner is not None:  # another model's guard (its __dict__ copied by hand): a copy
+            guard = guard.copied(keep_planner=True)
+            model.__dict__[_ATTR] = guard
+        guard.bind(model)
+    return guard
 
 
 @contextlib.contextmanager
@@ -272,7 +398,7 @@ def paused(model: nn.Module) -> Iterator[None]:
     A profile runs the model's step itself; a switch or re-plan then would swap
     the wrappers the profiler installed in the middle of its pass.
     """
-    guard = _GUARDS.get(model)
+    guard = guard_of(model)
     if guard is None:
         yield
         return
@@ -286,31 +412,37 @@ def paused(model: nn.Module) -> Iterator[None]:
 
 # gradckpt's own profiling passes (every one goes through gradckpt.profile) run
 # with the model's shape guard paused: registered here, the profiler never imports apply.
-register_adapter(Adapter("shape guard", recognizes=lambda model: model in _GUARDS, prepare=paused))
+register_adapter(
+    Adapter("shape guard", recognizes=lambda model: guard_of(model) is not None, prepare=paused)
+)
 
 
 def guards(model: nn.Module) -> bool:
     """Whether ``model`` has a shape guard (apply then installs the root wrapper)."""
-    return model in _GUARDS
+    return guard_of(model) is not None
 
 
-def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learning | None:
     """Run the shape guard of the model ``forward`` is bound to (the root wrapper's hook).
 
     Returns the model's new root wrapper when the guard switched plans (the
     calling wrapper is then stale: the rest of the call must run through the new
-    one, whose units' segments open only inside their own root), else None.
-    Looked up by the model at each call, so a copy of the model (its forward
-    bound to the copy) is never guarded, or re-planned, as the original.
+    one, whose units' segments open only inside their own root); a
+    :class:`Learning` record when the plan's units check this call (the root
+    passes it to :func:`finish` when the call ends); else None. Looked up by the
+    model at each call, so a copy of the model (its forward bound to the copy)
+    runs under its own copy of the guard.
     """
-    if not _GUARDS:
-        return None
     model = getattr(forward, "__self__", None)
-    guard = _GUARDS.get(model) if isinstance(model, nn.Module) else None
+    if not isinstance(model, nn.Module) or _ATTR not in model.__dict__:
+        return None
+    guard = guard_of(model)
     if guard is None:
         return None
     switches = guard.switches
-    guard.on_call(args, kwargs)
+    entry = guard.on_call(args, kwargs)
+    if entry is not None:
+        return entry
     if guard.switches == switches:
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
@@ -325,5 +457,5 @@ def shape_stats(model: nn.Module) -> ShapeStats | None:
         >>> ...  # train on varying lengths
         >>> print(gradckpt.shape_stats(model).summary())
     """
-    guard = _GUARDS.get(model)
+    guard = guard_of(model)
     return guard.stats() if guard is not None else None

@@ -124,9 +124,8 @@ class UnitForward:
                 if segment.segment.paths[-1] == unit.path:
                     segment.end()
             return out
-        if not self.shape_checked:
-            self.shape_checked = True
-            _check_shape(unit, args, kwargs)
+        if unit.expected_shape is not None:
+            _check_unit_shape(self, args, kwargs)
         context = getattr(top[0], "segment", None) if top is not None else None
         chain = unit.segments
         level = chain.index(context) + 1 if context in chain else 0
@@ -156,17 +155,38 @@ def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> UnitForward:
     return UnitForward(unit, units)
 
 
-def _check_shape(unit: UnitSpec, args: tuple, kwargs: dict) -> None:
-    if unit.expected_shape is None:
-        return
+def _first_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     flat, _ = tree_flatten((args, kwargs))
     first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
-    if first is not None and tuple(first.shape) != unit.expected_shape:
+    return tuple(first.shape) if first is not None else None
+
+
+def _check_unit_shape(wrapper: UnitForward, args: tuple, kwargs: dict) -> None:
+    """Compare a unit's input shape with its plan's, where no model-level key decides.
+
+    Inside a guarded model call whose key is being learned (a plan applied
+    alone), the call's record hears of it: one warning per key, not per unit.
+    Inside a guarded call whose key is known, nothing to do. Outside any
+    model call (a block called alone), the unit warns once itself.
+    """
+    unit = wrapper.unit
+    assert unit.expected_shape is not None
+    entry = shape_guard.learning()
+    if entry is not None:
+        got = _first_shape(args, kwargs)
+        if got is not None:
+            entry.unit_called(unit.path, unit.expected_shape, got)
+        return
+    if wrapper.shape_checked or _running_roots():
+        return
+    wrapper.shape_checked = True
+    got = _first_shape(args, kwargs)
+    if got is not None and got != unit.expected_shape:
         warnings.warn(
             f"gradckpt: {unit.path} was planned for inputs of shape {unit.expected_shape} but "
-            f"got {tuple(first.shape)}; the plan still runs correctly, but its predicted peak "
+            f"got {got}; the plan still runs correctly, but its predicted peak "
             "and overhead are for the planned shape. Plan again for this shape.",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -185,6 +205,7 @@ class RootGuard:
     # caller ``run`` is traced (only ``__call__``'s frame is skipped) and the
     # check, which may plan a new shape, must run eagerly.
     check = staticmethod(shape_guard.check)
+    finish = staticmethod(shape_guard.finish)
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
@@ -210,19 +231,25 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        switched = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
-        if switched is not None and switched is not self:
-            return switched(*args, **kwargs)  # the new plan's root runs this call
+        verdict = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        learning = verdict if isinstance(verdict, shape_guard.Learning) else None
+        if verdict is not None and learning is None and verdict is not self:
+            return verdict(*args, **kwargs)  # the new plan's root runs this call
         depth = _stack_depth()
         roots = _running_roots()
         roots.append(self)
+        completed = False
         try:
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
+            completed = True
+            return out
         except BaseException as exc:
             _close_segments_above(depth, exc)
             raise
         finally:
             roots.pop()
+            if learning is not None:  # the units checked this call's shapes: the guard learns
+                self.finish(learning, completed)
             if _close_segments_above(depth, None):
                 raise CheckpointError(
                     "gradckpt: a planned segment was still open when the forward returned; "
@@ -255,6 +282,7 @@ def make_opaque(forward: UnitForward | RootGuard) -> None:
             cls.__call__ = torch.compiler.disable(base.__call__, recursive=recursive)
             if cls is OpaqueRootGuard:
                 cls.check = staticmethod(torch.compiler.disable(shape_guard.check))
+                cls.finish = staticmethod(torch.compiler.disable(shape_guard.finish))
             cls._gradckpt_disabled = True
     if type(forward) is UnitForward:
         forward.__class__ = OpaqueUnitForward

@@ -140,13 +140,14 @@ def test_infeasible_new_shape_raises_budget_error_before_running_and_model_stays
     )
 
 
-def test_remove_ends_the_guard_and_apply_by_hand_replaces_it():
+def test_applying_fits_plan_again_keeps_its_guard_and_remove_ends_it():
     model, plan = _fit_mlp()
-    gradckpt.apply(model, plan)
-    assert gradckpt.shape_stats(model) is None
-    _measured(model, _mlp_step(model, 384))  # no guard: not planned
-    assert gradckpt.applied_plan(model) is plan
+    gradckpt.apply(model, plan)  # fit's own plan again: the guard (and re-planning) stays
+    assert gradckpt.shape_stats(model).policy == "replan"
+    _measured(model, _mlp_step(model, 384))
+    assert gradckpt.shape_stats(model).replans == 1
     gradckpt.remove(model)
+    assert gradckpt.shape_stats(model) is None
     assert gradckpt.applied_plan(model) is None and "forward" not in model.__dict__
 
 

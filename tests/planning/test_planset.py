@@ -32,9 +32,11 @@ def test_shape_key_sees_shapes_dtypes_grad_and_names():
     leaf = torch.zeros(2, 8, requires_grad=True)
     assert shape_key((x,), {}) != shape_key((leaf,), {})
     assert _key(2, 8) != _key(2, 8, name="labels")
-    assert shape_key((leaf, None), {"flag": True}).describe() == "(2,8):float32 grad, -"
-    # flags a pre-hook adds to some calls (use_cache=False), and keyword order, change nothing
-    assert shape_key((x,), {"use_cache": False}) == shape_key((x,), {})
+    assert shape_key((leaf, None), {"flag": True}).describe() == "(2,8):float32 grad, -, flag=True"
+    # a flag's value can change memory (use_cache=True keeps a cache): it is in the key;
+    # a keyword passed as None is one not passed, and keyword order changes nothing
+    assert shape_key((x,), {"use_cache": False}) != shape_key((x,), {"use_cache": True})
+    assert shape_key((x,), {"use_cache": None}) == shape_key((x,), {})
     ids = torch.zeros(2, 8, dtype=torch.long)
     assert shape_key((), {"a": ids, "b": x}) == shape_key((), {"b": x, "a": ids})
 
