@@ -11,14 +11,13 @@ values: wrong gradients.
 
 So :class:`Handoffs` fingerprints each handed-over tensor twice in the forward:
 when the unit returns it and when the next unit receives it. The fingerprint
-(:func:`bits_checksum`) is the integer sum of the tensor's element bit
-patterns: exact (no float rounding, NaN-safe), order-independent, so two sums of
-the same bits always agree, and any change of value changes it unless the
-changes cancel exactly. Both are taken from the forward's own data, so
-non-deterministic kernels cannot make them differ (a check that compared with
-the recompute's values could not say that). The cost is two reductions over
-each handed-over activation in the forward, with no host sync; the comparison
-waits for the region's recompute (one host sync per recompute), where it raises
+(:func:`bits_checksum`) is two sums, of the elements' bit patterns and of their
+values, each in the tensor's own type (no temporary copy). Both are taken from
+the forward's own data, so non-deterministic kernels cannot make them differ (a
+check that compared with the recompute's values could not say that). The cost
+is four reductions over each handed-over activation in the forward, with no
+host sync on an accelerator; the comparison waits for the region's recompute
+(one host sync per recompute), where it raises
 :class:`~gradckpt.engine.holders.CheckpointError` before any wrong value is used.
 """
 
@@ -34,15 +33,27 @@ __all__ = ["Handoffs", "bits_checksum"]
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bits_checksum(t: torch.Tensor) -> torch.Tensor | None:
-    """The sum of ``t``'s element bit patterns as an int64 tensor on its device.
+def bits_checksum(t: torch.Tensor) -> tuple[int, ...] | torch.Tensor | None:
+    """Two sums over ``t`` that any edit of its values changes: its bits and its values.
 
-    None for what has no plain bits to read (fake, meta, sparse, quantized,
-    subclass tensors). Runs outside every dispatch mode: trackers and op
-    counters of the step must not see it.
+    The first sum adds the elements' bit patterns as integers of the element's
+    size, wrapping (exact, NaN-safe, the same for any layout or order); it
+    catches a change of a few elements. A uniform scaling by a power of two
+    moves every element's bits by the same step and can wrap to the same sum,
+    so floating tensors add their values too (in their own type: the same tensor
+    always sums the same way, and its bits are compared, so NaN matches NaN).
+    Both sums run in the tensor's own type: summing into a wider type makes
+    torch convert the whole tensor first, a transient two to eight times the
+    activation's size.
+
+    A tuple of Python ints for a CPU tensor (nothing stays allocated), else an
+    int64 tensor of the sums on ``t``'s device (no host sync). None for what has
+    no plain bits to read (fake, meta, sparse, quantized, subclass tensors).
+    Runs outside every dispatch mode: trackers and op counters of the step must
+    not see it.
 
     Example:
-        >>> bits_checksum(torch.ones(3)).item() == 3 * 0x3F800000
+        >>> bits_checksum(torch.ones(3)) == bits_checksum(torch.ones(3))
         True
     """
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
@@ -56,7 +67,12 @@ def bits_checksum(t: torch.Tensor) -> torch.Tensor | None:
         as_int = _INT_OF_SIZE.get(data.element_size())
         if as_int is None:
             return None
-        return data.view(as_int).sum(dtype=torch.int64)
+        sums = [data.view(as_int).sum(dtype=as_int)]
+        if data.is_floating_point():
+            sums.append(data.sum(dtype=data.dtype).view(as_int))
+        if t.device.type == "cpu":
+            return tuple(int(s) for s in sums)
+        return torch.stack([s.to(torch.int64) for s in sums])
 
 
 class Handoffs:
@@ -72,8 +88,10 @@ class Handoffs:
     """
 
     def __init__(self) -> None:
-        self._left: torch.Tensor | None = None
-        self._pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._left: tuple[int, ...] | torch.Tensor | None = None
+        self._pairs: list[
+            tuple[str, tuple[int, ...] | torch.Tensor, tuple[int, ...] | torch.Tensor]
+        ] = []
 
     def left(self, t: torch.Tensor | None) -> None:
         """A unit returned ``t`` (None: no tensor to follow)."""
@@ -85,7 +103,7 @@ class Handoffs:
         if before is None:
             return
         after = bits_checksum(t)
-        if after is not None and after.device == before.device:
+        if after is not None and _device_of(after) == _device_of(before):
             self._pairs.append((unit, before, after))
 
     def check(self, region: str) -> None:
@@ -93,9 +111,11 @@ class Handoffs:
         pairs, self._pairs = self._pairs, []
         if not pairs:
             return
-        differ = [a != b for _, a, b in pairs]
-        if len({d.device for d in differ}) == 1:
-            changed = torch.stack(differ).tolist()  # one sync for the whole region
+        differ = [_differ(a, b) for _, a, b in pairs]
+        on_device = [d for d in differ if isinstance(d, torch.Tensor)]
+        if on_device and len({d.device for d in on_device}) == 1:
+            synced = iter(torch.stack(on_device).tolist())  # one sync for the whole region
+            changed = [next(synced) if isinstance(d, torch.Tensor) else d for d in differ]
         else:
             changed = [bool(d) for d in differ]
         if any(changed):
@@ -109,3 +129,13 @@ class Handoffs:
                 "(x = x * 0.5), then plan the model again (no segment will span it)."
             )
         self._pairs = pairs  # a later backward pass (retain_graph) checks them again
+
+
+def _differ(
+    a: tuple[int, ...] | torch.Tensor, b: tuple[int, ...] | torch.Tensor
+) -> bool | torch.Tensor:
+    return (a != b).any() if isinstance(a, torch.Tensor) else a != b
+
+
+def _device_of(checksum: tuple[int, ...] | torch.Tensor) -> torch.device:
+    return checksum.device if isinstance(checksum, torch.Tensor) else torch.device("cpu")

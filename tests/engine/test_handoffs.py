@@ -16,6 +16,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt.engine.handoffs import Handoffs, bits_checksum
+from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.planning import Plan, Segment, UnitChoice
 from gradckpt.profiling import model_fingerprint
 
@@ -96,13 +97,28 @@ def test_the_profile_sees_the_edit_so_a_new_plan_spans_no_segment_over_it():
 
 def test_bits_checksum_is_exact_and_sees_any_change():
     x = torch.randn(64, 32)
-    assert torch.equal(bits_checksum(x), bits_checksum(x.clone()))
-    assert not torch.equal(bits_checksum(x), bits_checksum(x * 0.5))
+    assert bits_checksum(x) == bits_checksum(x.clone())
+    for edited in (x * 0.5, x * 2, x + 1, x.index_put((torch.tensor([3]),), torch.tensor(0.0))):
+        assert bits_checksum(x) != bits_checksum(edited)  # x * 0.5 wraps the bit sum alone
+    half = x.bfloat16()
+    assert bits_checksum(half) != bits_checksum(half * 0.5)
     nan = torch.full((4,), float("nan"))
-    assert torch.equal(bits_checksum(nan), bits_checksum(nan.clone()))  # NaN != NaN, bits equal
+    assert bits_checksum(nan) == bits_checksum(nan.clone())  # NaN != NaN, bits equal
     for t in (x.t(), x.bfloat16(), x > 0, torch.randn(3, dtype=torch.complex64), x.double()):
-        assert bits_checksum(t).dtype == torch.int64
+        assert isinstance(bits_checksum(t), tuple)  # a CPU tensor's sums are read: nothing stays
+        assert bits_checksum(t) == bits_checksum(t)  # the same tensor always sums the same
+        assert bits_checksum(t)[0] == bits_checksum(t.contiguous())[0]  # bits: any layout
     assert bits_checksum(torch.empty(3, device="meta")) is None
+
+
+def test_bits_checksum_allocates_no_copy_of_the_tensor():
+    """Summing into a wider integer type made torch convert the whole tensor first:
+    an int64 copy, twice an fp32 activation and four times a bf16 one."""
+    for t in (torch.randn(1 << 16), torch.randn(1 << 16).bfloat16(), torch.randn(256, 256).t()):
+        with AllocatorTracker() as allocator:
+            bits_checksum(t)
+        assert allocator.peak_bytes <= 64, (t.dtype, allocator.peak_bytes)
+        assert allocator.end_bytes == 0
 
 
 def test_handoffs_compare_only_what_the_forward_handed_over():
