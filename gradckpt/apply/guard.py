@@ -440,13 +440,27 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
     if guard is None:
         return None
     switches = guard.switches
-    entry = guard.on_call(args, kwargs)
+    entry = guard.on_call(args, _as_written(model, kwargs))
     if entry is not None:
         return entry
     if guard.switches == switches:
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
     return model.__dict__.get("forward")
+
+
+def _as_written(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` less the values gradckpt's own forward pre-hooks put there.
+
+    Such a hook (``use_cache=False`` for training calls of a transformers model)
+    runs before the guard; the fitted call was recorded without it, and the same
+    call must keep the same key. A hook says what it sets in ``gradckpt_sets``.
+    """
+    for hook in model._forward_pre_hooks.values():
+        for name, value in getattr(hook, "gradckpt_sets", {}).items():
+            if name in kwargs and kwargs[name] is value:
+                kwargs = {k: v for k, v in kwargs.items() if k != name}
+    return kwargs
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

@@ -92,6 +92,10 @@ def _no_cache_while_training(module: nn.Module, args: tuple, kwargs: dict) -> An
     return None
 
 
+# The shape guard reads the call as the user wrote it, without what this hook adds.
+_no_cache_while_training.gradckpt_sets = {"use_cache": False}  # type: ignore[attr-defined]
+
+
 class _RestoreCache:
     """Puts ``use_cache`` back on the configs :func:`training` turned it off on (at ``remove``)."""
 
