@@ -23,7 +23,13 @@ from gradckpt import replan
 from gradckpt.api_budget import budget_profile
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
-from gradckpt.apply.real_shape import measured_at_shape, step_peak
+from gradckpt.apply.real_shape import (
+    TRUSTED_UNSEEN_SHARE,
+    measured_at_shape,
+    step_peak,
+    unseen_share,
+    verified_at_shape,
+)
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.plan import Plan, Segment
@@ -171,11 +177,23 @@ def shape_planner(
     def profile_fake(step: LossFn) -> Profile:
         return profile_step(model, step, blocks=options.blocks, fake=True)
 
-    def solve_profile(prof: Profile) -> Plan:
+    def planner_for(prof: Profile) -> Planner:
         whole = with_training_step(with_measured_workspace(prof, fitted.profile), options.step)
-        return Planner(whole, segments=options.segments, offload=options.offload).plan(
-            budget_bytes, options.solver
+        return Planner(whole, segments=options.segments, offload=options.offload)
+
+    def solve_profile(prof: Profile) -> Plan:
+        return planner_for(prof).plan(budget_bytes, options.solver)
+
+    def verify_real(call: replan.Call, prof: Profile) -> Plan | None:
+        step = replan.step_at(model, call, loss_from)
+        return verified_at_shape(
+            model, step, lambda: planner_for(prof), budget_bytes, fitted.profile, options.solver
         )
+
+    # The fitted profile held memory its tensors do not show (convolution workspace):
+    # a fake profile at another shape misses it too, so each plan made from one is
+    # checked by one real step at its shape (the cost: that step, once per new shape).
+    unseen = unseen_share(fitted.profile) > TRUSTED_UNSEEN_SHARE
 
     leanest: list[Plan] = []  # made at the first real re-plan, from the fitted profile
 
@@ -190,7 +208,7 @@ def shape_planner(
 
     return replan.ShapePlanner(
         model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale,
-        measure_real=measure_real,
+        measure_real=measure_real, verify_real=verify_real if unseen else None,
     )  # fmt: skip
 
 

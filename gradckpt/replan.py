@@ -49,9 +49,11 @@ logger = logging.getLogger("gradckpt")
 
 #: How a shape got its plan, in the order they are tried (``shape_stats(model).routes``):
 #: measured at ``fit``; a fake-tensor profile at the shape; a fake profile rescaled from
-#: other lengths (op sequence checked at the shape); one real step at the shape under
-#: the leanest plan, measured at the allocator; the plan the model had (said in a warning).
-ROUTES = ("fitted", "fake", "rescaled", "real-frugal", "old-plan")
+#: other lengths (op sequence checked at the shape); either of those checked by one real
+#: step at the shape (models whose fitted profile held memory tensors do not show, e.g.
+#: convolution workspace); one real step at the shape under the leanest plan, measured
+#: at the allocator; the plan the model had (said in a warning).
+ROUTES = ("fitted", "fake", "rescaled", "fake-verified", "real-frugal", "old-plan")
 
 LossFrom = Callable[..., torch.Tensor]  # (output, *args, **kwargs) -> scalar loss
 
@@ -227,6 +229,11 @@ class ShapePlanner:
        dispatches the same ops as at the lengths it was fitted on (a branch on
        the length refuses it); any other call is profiled under fake tensors.
        User hooks are suspended while fake tensors run.
+       **fake-verified**: with ``verify_real`` (given for models whose fitted profile
+       showed memory a fake profile misses), the plan is not taken on the fake
+       profile's word: ``verify_real(call, profile)`` runs the step for real under
+       it (leaner plans while over the budget) and returns one that fits, or None
+       (then the next route).
     2. **real-frugal**: the fake route failed (an op without a fake kernel, a fake
        kernel stricter than the real one, a value read, a data-dependent
        shape): ``measure_real(call)`` runs one real step at the shape under the
@@ -246,11 +253,12 @@ class ShapePlanner:
         seq_dim: int = 1,
         rescale: bool = True,
         measure_real: Callable[[Call], Any] | None = None,
+        verify_real: Callable[[Call, Any], Any] | None = None,
     ) -> None:
         self.model, self.fitted, self.loss_from = model, fitted, loss_from
         self.profile_fake, self.solve_profile, self.seq_dim = profile_fake, solve_profile, seq_dim
         self.rescale = rescale
-        self.measure_real = measure_real
+        self.measure_real, self.verify_real = measure_real, verify_real
         #: The plan the model runs now (the guard sets it); the old-plan route keeps it.
         self.current: Callable[[], Any] = lambda: fitted.plan
         self.scaling: Any = None
@@ -272,36 +280,42 @@ class ShapePlanner:
 
     def __call__(self, call: Call) -> Any:
         try:
-            plan, route = self._fake_route(call)
+            prof, route = self._fake_route(call)
+            plan = self.solve_profile(prof)  # BudgetError: fake tensors see less, none fits
+            if self.verify_real is not None:
+                plan, route = self.verify_real(call, prof), "fake-verified"
         except BudgetError:
             raise  # a true answer: no plan fits at this shape
-        except Exception as exc:  # the step cannot run under fake tensors
+        except Exception as exc:  # the step cannot run under fake tensors (or for real)
             # Only its text is kept: its traceback holds the failed pass's real tensors
             # (buffer snapshots), which must not sit beside the real step that follows.
-            failure = _reason(exc)
+            failure = f"fake tensors: {_reason(exc)}"
         else:
-            self.routes[call.key] = route
-            return plan
+            if plan is not None:
+                self.routes[call.key] = route
+                return plan
+            failure = "the plans made on fake tensors measured over the budget on a real step"
         plan, route = self._after_fake(call, failure)
         self.routes[call.key] = route
         return plan
 
     def _fake_route(self, call: Call) -> tuple[Any, str]:
+        """The profile at ``call`` without a real step, and the route it came by."""
         lengths = length_of(self.fitted.key, call.key, self.seq_dim) if self.rescale else None
         if lengths is None:
-            return self.solve_profile(self.profile_call(call)), "fake"
+            return self.profile_call(call), "fake"
         if self.scaling is not None and self._same_ops(call):
             prof = self.scaling.at(lengths[1])
             if prof is not None:
                 self.rescaled += 1
-                return self.solve_profile(prof), "rescaled"
+                return prof, "rescaled"
         prof = self.profile_call(call)
         if not self.scaling_tried:
             self.scaling_tried = True
             self.scaling = self._fit_scaling(lengths, prof)
             if self.scaling is not None:
                 self.scaling_ops = self._op_names(call)
-        return self.solve_profile(prof), "fake"
+        return prof, "fake"
 
     def _op_names(self, call: Call) -> tuple[str, ...]:
         return fake_op_names(self.model, lambda: self.model(*call.args, **call.kwargs))
@@ -314,7 +328,7 @@ class ShapePlanner:
             return False  # profiled instead, which says why if it fails too
 
     def _after_fake(self, call: Call, failure: str) -> tuple[Any, str]:
-        reasons = [f"fake tensors: {failure}"]
+        reasons = [failure]
         if self.measure_real is not None:
             try:
                 plan = self.measure_real(call)

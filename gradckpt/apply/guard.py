@@ -329,8 +329,9 @@ class ShapeGuard:
         except BudgetError as exc:
             raise BudgetError(
                 f"gradckpt: no plan fits the budget at the new input shape {key.describe()} "
-                f"(nothing ran; the model keeps its plan for {self.active.describe() if self.active else '?'}"
-                f"). {exc}",
+                f"(of your step nothing ran; a planning step measured at this shape may have "
+                f"run over; the model keeps its plan for "
+                f"{self.active.describe() if self.active else '?'}). {exc}",
                 exc.least_peak_bytes,
             ) from exc
         finally:
