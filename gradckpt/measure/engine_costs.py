@@ -139,6 +139,14 @@ def _time_all(
     return {name: low_estimate(times) for name, times in samples.items()}
 
 
+def _synchronizer(where: torch.device) -> Callable[[], None]:
+    """Waits for ``where``'s queued work (a no-op on CPU), so a clock reads finished work."""
+    module = getattr(torch, where.type, None)
+    if where.type in ("cpu", "meta") or module is None:
+        return lambda: None
+    return module.synchronize
+
+
 def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     """Measure the engine's costs on ``device`` now (about 0.1 s of CPU after the one-time start-up of dispatch modes); see :func:`engine_costs`.
 
@@ -153,12 +161,7 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
         >>> measure_engine_costs("cpu").recompute_op
     """
     where = torch.device(device)
-    clock = work_clock(where)
-    module = getattr(torch, where.type, None)
-    sync: Callable[[], None] = (
-        module.synchronize if where.type not in ("cpu", "meta") and module is not None
-        else (lambda: None)
-    )  # fmt: skip
+    clock, sync = work_clock(where), _synchronizer(where)
     x = torch.ones(16, device=where, requires_grad=True)
     short, long, sines = _adds(_SHORT), _adds(_LONG), _sines(_LONG)
     cases = {}
@@ -218,12 +221,7 @@ def time_unit_regions(
         >>> t.region - t.plain  # what recomputing the block costs, engine included
     """
     where = torch.device(device)
-    clock = work_clock(where)
-    module = getattr(torch, where.type, None)
-    sync: Callable[[], None] = (
-        module.synchronize if where.type not in ("cpu", "meta") and module is not None
-        else (lambda: None)
-    )  # fmt: skip
+    clock, sync = work_clock(where), _synchronizer(where)
 
     def step(run: Callable[[], Any]) -> Callable[[], None]:
         def once() -> None:
