@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from gradckpt.apply.guard import as_written
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.planset import ShapeKey, shape_key
@@ -93,8 +94,8 @@ def capture_call(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Calla
     seen: list[Call] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not seen:
-            seen.append(Call(args, dict(kwargs), shape_key(args, kwargs)))
+        if not seen:  # keyed as the guard keys a call: without what our own hooks add
+            seen.append(Call(args, dict(kwargs), shape_key(args, as_written(module, kwargs))))
 
     def recording() -> torch.Tensor:
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -65,6 +65,7 @@ __all__ = [
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
+    "as_written",
     "check",
     "finish",
     "forget",
@@ -441,7 +442,7 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
     if guard is None:
         return None
     switches = guard.switches
-    entry = guard.on_call(args, _as_written(model, kwargs))
+    entry = guard.on_call(args, as_written(model, kwargs))
     if entry is not None:
         return entry
     if guard.switches == switches:
@@ -450,7 +451,7 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
     return model.__dict__.get("forward")
 
 
-def _as_written(model: nn.Module, kwargs: dict) -> dict:
+def as_written(model: nn.Module, kwargs: dict) -> dict:
     """``kwargs`` less the values gradckpt's own forward pre-hooks put there.
 
     Such a hook (``use_cache=False`` for training calls of a transformers model)

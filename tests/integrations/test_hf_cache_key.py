@@ -18,7 +18,10 @@ def test_the_fitted_call_keeps_its_plan_after_the_cache_hook_adds_use_cache():
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=128)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (4, 64))
-    gradckpt.fit(model, lambda: model(input_ids=ids, labels=ids).loss, 0.85, measure_candidates=0)
+    loss_fn = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    gradckpt.fit(model, loss_fn, 0.85, measure_candidates=0)
+    # Fitted again: the hook from the first fit is on the model while this one records.
+    gradckpt.fit(model, loss_fn, 0.9, measure_candidates=0)
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
     stats = gradckpt.shape_stats(model)

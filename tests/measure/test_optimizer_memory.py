@@ -148,10 +148,13 @@ def test_bf16_params(foreach: bool) -> None:
 
 
 @pytest.mark.xfail(
+    torch.backends.cpu.get_cpu_capability() != "AVX2",
     strict=True,
     reason="CPU bf16 matmul (oneDNN) takes an output-sized scratch buffer inside the kernel: "
     "Adafactor's row_var @ col_var. Measured later step 274,048 B, predicted 133,132 B "
-    "(state 4,632 B exact; first step 278,680 vs 137,764). fp32 has no scratch and matches.",
+    "(state 4,632 B exact; first step 278,680 vs 137,764). fp32 has no scratch and matches. "
+    "On an AVX2-only CPU (AMD EPYC, 2026-12-02) no scratch is taken: measured 134,150 B, "
+    "and the prediction holds.",
 )
 def test_bf16_adafactor_kernel_scratch_not_seen() -> None:
     model = mlp(torch.bfloat16)
