@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradckpt.measure.timing import low_estimate, work_clock
+from gradckpt.profiling.accumulation import InPlaceCheck, node_boundaries
 from gradckpt.profiling.recorder import RecordMode, StepRecorder
 from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
 from gradckpt.profiling.state import StepState
@@ -81,6 +82,7 @@ def run_pass(
         >>> recorder = run_pass(units, loss_fn, StepState(model), plain=True)
     """
     recorder = StepRecorder(units, keep_saved=plain)
+    InPlaceCheck.prepare()  # measured once per process, before the pass it serves
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
     # With ``allocator``, the pass also runs under the allocator's memory events
     # (each op in its own span): the step's allocator peak and per-op workspace.
@@ -108,9 +110,13 @@ def run_pass(
         state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
         recorder.forward = False
         if plain:
-            loss.backward()
+            # Gradients accumulate as in the plain step (in place where it can).
+            with node_boundaries(loss, recorder):
+                loss.backward()
             # The model's parameters now (under fake tensors, the fake ones in their place).
-            grads = (recorder.sid_of(p.grad) for p in state.model.parameters() if p.grad is not None)
+            grads = (
+                recorder.sid_of(p.grad) for p in state.model.parameters() if p.grad is not None
+            )
             recorder.grad_storages = tuple(sorted({sid for sid in grads if sid >= 0}))
         del loss
         recorder.active = False

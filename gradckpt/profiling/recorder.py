@@ -24,6 +24,7 @@ from gradckpt.engine.modes import counts_as_op, written_args
 from gradckpt.measure.allocator import close_mark, open_mark
 from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import work_clock
+from gradckpt.profiling.accumulation import InPlaceCheck
 from gradckpt.profiling.opaque import check_output_seen
 from gradckpt.profiling.records import NEVER
 from gradckpt.profiling.units import Unit
@@ -133,6 +134,9 @@ class StepRecorder:
     allocator_peak: int | None = None
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
+    #: True between a backward node's post-hook and the next one's pre-hook, where
+    #: the engine accumulates gradients (``gradckpt.profiling.accumulation``).
+    between: bool = False
 
     def __post_init__(self) -> None:
         self.watcher = StorageWatcher(on_alloc=self._alloc, on_free=self._free)
@@ -303,6 +307,10 @@ class RecordMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not counts_as_op(func):
             return func(*args, **kwargs)
+        if self.recorder.between and InPlaceCheck.applies(func, args, kwargs):
+            # The engine's buffer accumulation, which the plain step does in place
+            # (under a mode the engine cannot): see gradckpt.profiling.accumulation.
+            func = torch.ops.aten.add_.Tensor
         handle = open_mark(len(self.recorder.ops)) if self.mark_ops else None
         try:
             start = self.clock()
