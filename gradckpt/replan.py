@@ -28,10 +28,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from gradckpt.apply.guard import as_written
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.planset import ShapeKey, shape_key
+from gradckpt.planning.planset import ShapeKey, as_written, shape_key
 from gradckpt.planning.simulate import simulate
 from gradckpt.profiling.fake import fake_op_names
 

@@ -56,7 +56,7 @@ from gradckpt.apply.guard_learning import Learning, finish, learning, start
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.plan import Plan
-from gradckpt.planning.planset import ShapeKey, shape_key
+from gradckpt.planning.planset import ShapeKey, as_written, shape_key
 from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
-    "as_written",
     "check",
     "finish",
     "forget",
@@ -449,20 +448,6 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
     return model.__dict__.get("forward")
-
-
-def as_written(model: nn.Module, kwargs: dict) -> dict:
-    """``kwargs`` less the values gradckpt's own forward pre-hooks put there.
-
-    Such a hook (``use_cache=False`` for training calls of a transformers model)
-    runs before the guard; the fitted call was recorded without it, and the same
-    call must keep the same key. A hook says what it sets in ``gradckpt_sets``.
-    """
-    for hook in model._forward_pre_hooks.values():
-        for name, value in getattr(hook, "gradckpt_sets", {}).items():
-            if name in kwargs and kwargs[name] is value:
-                kwargs = {k: v for k, v in kwargs.items() if k != name}
-    return kwargs
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

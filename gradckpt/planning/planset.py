@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradckpt._versioned import check_header
 from gradckpt.planning.plan import Plan
@@ -38,6 +39,7 @@ __all__ = [
     "PlanSet",
     "ShapeKey",
     "TensorSig",
+    "as_written",
     "load_plans",
     "proves_monotone",
     "same_event_line",
@@ -400,3 +402,17 @@ def proves_monotone(small: Profile, large: Profile) -> bool:
     return same_event_line(small, large) and all(
         s.nbytes <= t.nbytes for s, t in zip(small.storages, large.storages)
     )
+
+
+def as_written(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` less the values gradckpt's own forward pre-hooks put there.
+
+    Such a hook (``use_cache=False`` for training calls of a transformers model)
+    runs before the guard; the fitted call was recorded without it, and the same
+    call must keep the same key. A hook says what it sets in ``gradckpt_sets``.
+    """
+    for hook in model._forward_pre_hooks.values():
+        for name, value in getattr(hook, "gradckpt_sets", {}).items():
+            if name in kwargs and kwargs[name] is value:
+                kwargs = {k: v for k, v in kwargs.items() if k != name}
+    return kwargs
