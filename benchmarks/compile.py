@@ -46,7 +46,7 @@ from benchmarks.common import (
     settle,
     write_results,
 )
-from gradckpt.integrations.compile import compile_model
+from gradckpt.compiled.around_regions import compile_model
 from gradckpt.measure import MemoryTracker, ratio, time_interleaved
 from gradckpt.testing import make
 

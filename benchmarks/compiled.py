@@ -10,7 +10,7 @@ U-Net from ``gradckpt.testing``), contenders:
 * ``gradckpt F``: a gradckpt plan (segments allowed) at F of the eager peak, then
   ``gradckpt.compile`` (the plan inside the compiled graph);
 * ``gradckpt fused F``: the same, planned on the fused view of the profile
-  (``compiled_budget.fused_profile``: ops without FLOPs cost no time, as the
+  (``compiled.budget.fused_profile``: ops without FLOPs cost no time, as the
   compiler fuses them), which keeps matmuls and recomputes pointwise ops;
 * ``gradckpt knob amb=F``: the compiler's partitioner as ``fit_compiled``
   drives it: in bytes, measured, chosen from the table (never over,
@@ -18,7 +18,7 @@ U-Net from ``gradckpt.testing``), contenders:
   candidates, in its own processes) and at budgets between the compiler
   rows' (0.8/0.6/0.4);
 * ``gradckpt bytes F``: the compiler's partitioner held by gradckpt's knapsack
-  solver (``integrations.compiled_knapsack.SavedBytesSolver``) to saving at most
+  solver (``compiled.knapsack.SavedBytesSolver``) to saving at most
   F of the bytes its default saves, chosen on the compiled graph itself;
 * ``gradckpt bytes <=amb=F``: the same solver capped at the bytes the compiler's
   own knob F saves for the same graph: it saves no more and recomputes no more
@@ -170,7 +170,7 @@ def _worker(conn: Any, model: str, sizes: dict, spec: dict, threads: int) -> Non
         elif spec["kind"] == "bytes":
             import torch._functorch.config as functorch_config
 
-            from gradckpt.integrations.compiled_knapsack import (
+            from gradckpt.compiled.knapsack import (
                 SavedBytesSolver,
                 saved_bytes_config,
             )
@@ -223,7 +223,7 @@ def _plans(
     one already listed is not repeated.
     """
     import gradckpt
-    from gradckpt.integrations.compiled_budget import fused_profile
+    from gradckpt.compiled.budget import fused_profile
     from gradckpt.planning.budget import parse_budget
     from gradckpt.planning.solvers import solve
 

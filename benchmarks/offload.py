@@ -57,7 +57,7 @@ from benchmarks.common import (
     write_results,
 )
 from gradckpt.apply.apply import applied_units
-from gradckpt.engine.offload_runtime import OffloadRuntime
+from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.planning import simulate

@@ -19,7 +19,7 @@ import time
 import torch
 
 import gradckpt
-from gradckpt.integrations.compile import compile_model, compiled_units
+from gradckpt.compiled.around_regions import compile_model, compiled_units
 from gradckpt.testing import gpt
 
 

@@ -11,9 +11,9 @@ Example:
 from gradckpt import integrations, measure, planning, policies, profiling
 from gradckpt.api import FrontierPoint, explain, fit, frontier, plan, profile
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
-from gradckpt.apply.compiled import compile
-from gradckpt.apply.compiled_watch import compile_stats
 from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
+from gradckpt.compiled.in_graph import compile
+from gradckpt.compiled.watch import compile_stats
 from gradckpt.engine import (
     RECOMPUTE,
     SAVE,

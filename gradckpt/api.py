@@ -257,7 +257,7 @@ def fit(
             compiled graph (:func:`gradckpt.compile`; segments included). The
             budget is then held at the allocator, measured: one compiled step is
             measured, and one over the budget is planned again tighter and
-            recompiled (up to 3 compiles, :mod:`gradckpt.apply.compiled_hold`);
+            recompiled (up to 3 compiles, :mod:`gradckpt.compiled.hold`);
             the plan records ``measured_compiled_peak_bytes``. ``BudgetError``
             (the model left plain) if none fits. A call at a new shape
             reinstalls the eager plan for it (not measured compiled).
@@ -337,7 +337,7 @@ def fit(
                 install_guarded(model, held, guard)
 
     if compile:
-        from gradckpt.apply.compiled_hold import compile_within_budget
+        from gradckpt.compiled.hold import compile_within_budget
 
         # Tighter plans come from the same profile (segments as plan_fitted allowed them).
         tighter = Planner(prof, segments=segments and fitted is not None)

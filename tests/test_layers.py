@@ -23,6 +23,7 @@ LAYERS = (
     "profile",
     "plan",
     "apply",
+    "compiled",  # gradckpt.compiled.*: plans under torch.compile; fit(compile=True) calls it
     "api",  # the verbs (profile/plan/fit/frontier/explain); model families only via adapters
     "integrations",  # adapters register below; trainer callbacks, FSDP/DDP build on api
     "package",  # gradckpt/__init__.py: re-exports every layer's public names
@@ -45,6 +46,8 @@ _WHERE = (
     ("gradckpt.replan", "plan"),
     ("gradckpt.apply.", "apply"),
     ("gradckpt.apply", "apply"),
+    ("gradckpt.compiled.", "compiled"),
+    ("gradckpt.compiled", "compiled"),
     ("gradckpt.api_shapes", "api"),
     ("gradckpt.api_budget", "api"),
     ("gradckpt.api_checks", "api"),

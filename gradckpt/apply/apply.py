@@ -83,7 +83,7 @@ def restamp_plan(model: nn.Module, plan: Plan) -> None:
 def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
     """The installed units of ``model`` by path (empty if no plan is applied).
 
-    Integrations adjust them in place (``gradckpt.integrations.compile`` sets
+    Layers above adjust them in place (``gradckpt.compiled.around_regions`` sets
     their compiled bodies); they live until the plan is removed or replaced.
     """
     installed = _installed(model)
@@ -261,7 +261,7 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
     A compiled caller then graph-breaks at each region's call instead of tracing
     into the wrapper (which it would, correctly but with a recompile per unit);
     kept units stay traceable. ``apply`` does this itself when Dynamo is already
-    loaded; ``gradckpt.integrations.compile.compile_model`` calls it.
+    loaded; ``gradckpt.compiled.around_regions.compile_model`` calls it.
     """
     installed = _installed(model)
     if installed is None:

@@ -18,7 +18,7 @@ the schedule the planner's dynamic program chose.
 Under ``torch.compile`` a wrapper that Dynamo traces inlines a kept unit (it
 compiles with its caller) and makes every other case a graph break that runs
 the logic above eagerly (:mod:`gradckpt.engine.dynamo`). A unit may carry a
-compiled body (``UnitSpec.compiled``, set by ``gradckpt.integrations.compile``):
+compiled body (``UnitSpec.compiled``, set by ``gradckpt.compiled.around_regions``):
 it then runs that body wherever it would run ``plain``, except as a selective
 region, whose policy must see every op; regions whose bodies are compiled
 rerun them compiled (``Frame(compiled=True)``).

@@ -79,7 +79,7 @@ def checkpoint(
 
     Under ``torch.compile`` the region is a graph break: it runs eagerly, in its
     forward and its recompute alike (compiled code inside it runs eagerly too),
-    and the code around it compiles. ``gradckpt.integrations.compile`` compiles
+    and the code around it compiles. ``gradckpt.compiled.around_regions`` compiles
     region bodies themselves.
 
     Returns:

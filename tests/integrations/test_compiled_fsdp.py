@@ -54,7 +54,7 @@ def _half_loss(ex, rank: int):
 def _run_rank(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from gradckpt.apply.compiled import compiled_plan
+    from gradckpt.compiled.in_graph import compiled_plan
     from gradckpt.integrations.distributed import RankMemoryTracker, fit_for_fsdp
     from gradckpt.measure import AllocatorTracker, state_bytes
 

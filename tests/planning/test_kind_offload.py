@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.engine.offload_runtime import OffloadRuntime
+from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning import Plan, UnitChoice
 from gradckpt.planning.chain import _lookup, build_chain
 from gradckpt.planning.handlers import handler_for

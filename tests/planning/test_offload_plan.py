@@ -12,7 +12,7 @@ import pytest
 
 import gradckpt
 from gradckpt.apply.apply import applied_units
-from gradckpt.engine.offload_runtime import OffloadRuntime
+from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning import Plan, UnitChoice, simulate
 from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.offload_sim import offload_effect

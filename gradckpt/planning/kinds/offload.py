@@ -8,7 +8,7 @@ the copies' stall with the next unit's compute as overlap windows
 (:func:`stage_stall`); never inside a segment's recompute. Its plan-wide
 effect in the simulator (stash, prefetched reload buffers, copy queue;
 :meth:`OffloadHandler.plan_effect`) is :mod:`gradckpt.planning.offload_sim`; at run time one
-:class:`~gradckpt.engine.offload_runtime.OffloadRuntime` per applied plan
+:class:`~gradckpt.engine.offload.runtime.OffloadRuntime` per applied plan
 orders the copies of all offloaded units (:mod:`gradckpt.engine.offload`).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradckpt.engine.decisions import Decision, Offload
-from gradckpt.engine.offload_runtime import OffloadRuntime
+from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning.chain import _Lookup
 from gradckpt.planning.effects import StepEffect
 from gradckpt.planning.handlers import register

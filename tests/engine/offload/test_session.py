@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gradckpt.engine.offload import OffloadSession, run_offloaded
-from gradckpt.engine.offload_store import HostCopyBackend, HostOverBudgetError
+from gradckpt.engine.offload.store import HostCopyBackend, HostOverBudgetError
 from gradckpt.measure import MemoryTracker
 
 

@@ -2,7 +2,7 @@
 
 The eager plan's prediction does not hold once compiled (recompute inside the
 compiled graph peaks higher: decomposed backward formulas keep more
-intermediates, :mod:`gradckpt.apply.compiled_hold`). So fit measures one
+intermediates, :mod:`gradckpt.compiled.hold`). So fit measures one
 compiled step and plans again tighter, or raises. Peaks are allocator bytes
 (deterministic); plans come from one given profile whose op times are made
 from FLOPs (:func:`_timed_by_flops`), so the planner's choice does not depend
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.apply.compiled import compiled_plan, uncompile
+from gradckpt.compiled.in_graph import compiled_plan, uncompile
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.profiling.records import retimed
 from gradckpt.testing import make

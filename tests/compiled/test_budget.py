@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from gradckpt.integrations.compiled_budget import choose, fit_compiled, measure_points
+from gradckpt.compiled.budget import choose, fit_compiled, measure_points
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.testing import make
@@ -89,7 +89,7 @@ def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured, l
 
 def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch, loss_and_grads):
     """The compiler's partitioner under gradckpt's byte cap, installed by fit_compiled."""
-    from gradckpt.integrations.compiled_knapsack import SavedBytesSolver
+    from gradckpt.compiled.knapsack import SavedBytesSolver
 
     ex, points = measured
     torch._dynamo.reset()
@@ -114,7 +114,7 @@ def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch
 
 def test_fused_profile_makes_ops_without_flops_free_and_keeps_the_rest():
     import gradckpt
-    from gradckpt.integrations.compiled_budget import fused_profile
+    from gradckpt.compiled.budget import fused_profile
     from gradckpt.planning.simulate import simulate
     from gradckpt.planning.solvers import none_plan
 

@@ -1,9 +1,9 @@
 """gradckpt's plan executed *by* the compiler: one compiled graph, the plan's decisions inside it.
 
 An execution backend of a plan, beside the eager one (:mod:`gradckpt.apply.apply`),
-so it belongs to the apply layer (``gradckpt.fit(..., compile=True)`` uses it).
+whose wrappers it reuses; ``gradckpt.fit(..., compile=True)`` runs its plan here.
 
-:func:`gradckpt.integrations.compile.compile_model` compiles around gradckpt's
+:func:`gradckpt.compiled.around_regions.compile_model` compiles around gradckpt's
 own regions (each region is a graph break, its body compiled apart). This
 module instead hands the plan to the compiler: every planned unit's forward
 becomes a ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
@@ -23,9 +23,9 @@ are translated to "the k-th call of this op" by recording one eager forward
 Segments (one region over several units) are honoured too: each unit of a
 segment is a checkpoint call whose ops all prefer recompute, and the units
 share one graph id so the partitioner does not save the tensors between them
-(:mod:`gradckpt.apply.compiled_segments`). Random ops (dropout) are
+(:mod:`gradckpt.compiled.segments`). Random ops (dropout) are
 saved by the partitioner, not replayed, so recomputes do not change the masks.
-Dynamo's recompiles are counted (:mod:`gradckpt.apply.compiled_watch`).
+Dynamo's recompiles are counted (:mod:`gradckpt.compiled.watch`).
 
 Example:
     >>> plan = gradckpt.fit(model, loss_fn, budget=0.5, segments=False)
@@ -46,9 +46,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradckpt.apply.apply import applied_plan, applied_units, restamp_plan
-from gradckpt.apply.compiled_segments import segment_contexts, segment_of
-from gradckpt.apply.compiled_watch import watch
 from gradckpt.apply.guard import guard_of
+from gradckpt.compiled.segments import segment_contexts, segment_of
+from gradckpt.compiled.watch import watch
 from gradckpt.engine.decisions import Keep, Recompute, Selective
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
 from gradckpt.planning import Plan, UnitChoice
@@ -101,7 +101,7 @@ def compile(
         raise ValueError(
             f"gradckpt.compile: the applied plan has {foreign} decisions, which the compiler "
             "path cannot carry out (it knows keep, recompute and selective); run the plan "
-            "eagerly, or with gradckpt.integrations.compile.compile_model"
+            "eagerly, or with gradckpt.compiled.around_regions.compile_model"
         )
     segments = segment_of(plan)
     selective = [

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gradckpt.engine.offload_store import HostOverBudgetError
+from gradckpt.engine.offload.store import HostOverBudgetError
 
 __all__ = ["CudaOffloadBackend", "PinnedPool", "size_class"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.apply.compiled import compiled_plan, uncompile
+from gradckpt.compiled.in_graph import compiled_plan, uncompile
 from gradckpt.planning import Plan, Segment, UnitChoice
 from gradckpt.planning.solvers import save_matmuls_plan
 from gradckpt.profiling import find_units, model_fingerprint

@@ -10,7 +10,7 @@ of its recomputed forward that the decomposed GELU backward reads: four
 recomputed, ``aot_eager_decomp_partition``): 0.29 MB (dropout 0.1) and 0.39 MB
 (no dropout) above the same plan eagerly, at the allocator; without
 decompositions (``aot_eager``) or with ReLU, no higher than eager
-(tests/apply/test_compiled_hold.py). A fit at 0.6 of the plain peak measured
+(tests/compiled/test_hold.py). A fit at 0.6 of the plain peak measured
 3.31 MB compiled against a 2.99 MB budget. The tags cannot change what the
 backend's backward formulas read. So the prediction cannot be trusted
 and :func:`hold_budget` *measures*: one compiled training step under
@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import remove
-from gradckpt.apply.compiled import compile as compile_planned
-from gradckpt.apply.compiled import restamp_compiled, uncompile
-from gradckpt.apply.compiled_watch import unwatch
+from gradckpt.compiled.in_graph import compile as compile_planned
+from gradckpt.compiled.in_graph import restamp_compiled, uncompile
+from gradckpt.compiled.watch import unwatch
 from gradckpt.measure import AllocatorTracker, format_bytes, state_bytes
 from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.plan import Plan
@@ -149,7 +149,7 @@ def hold_budget(
         f"gradckpt.fit(compile=True): no plan held the budget of {format_bytes(budget)} "
         f"({budget} bytes) once compiled: {len(measured)} plan(s) compiled and measured at "
         f"the allocator, the least peaking at {format_bytes(least)} ({least} bytes). The "
-        "model is left as it was. gradckpt.integrations.compiled_budget.fit_compiled "
+        "model is left as it was. gradckpt.compiled.budget.fit_compiled "
         "measures every compiled candidate (the compiler's own partitioner too) and picks "
         "the fastest under a budget; or raise the budget, or run the plan eagerly "
         "(compile=False), where the planned peak holds."

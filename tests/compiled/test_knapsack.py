@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradckpt.integrations.compiled_knapsack import SavedBytesSolver, saved_bytes_cap
+from gradckpt.compiled.knapsack import SavedBytesSolver, saved_bytes_cap
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
@@ -37,7 +37,7 @@ def _graph_outputs_backend(backward_flops=None):
     ``backward_flops`` (a list) also gets each backward graph's FLOPs: the
     gradients' own plus what is recomputed.
     """
-    from gradckpt.integrations.compiled_knapsack import _flops
+    from gradckpt.compiled.knapsack import _flops
 
     outputs: list[int] = []
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gradckpt.engine.offload import OffloadSession, run_offloaded
-from gradckpt.engine.offload_store import HostCopyBackend
+from gradckpt.engine.offload.session import OffloadSession, run_offloaded
+from gradckpt.engine.offload.store import HostCopyBackend
 
 __all__ = ["OffloadRuntime"]
 
@@ -37,7 +37,7 @@ class OffloadRuntime:
     def session_for(self, device: torch.device) -> OffloadSession:
         if self.session is None:
             if device.type == "cuda":
-                from gradckpt.engine.offload_cuda import CudaOffloadBackend
+                from gradckpt.engine.offload.cuda import CudaOffloadBackend
 
                 backend: Any = CudaOffloadBackend(device, host_budget=self.host_budget)
             else:

@@ -50,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gradckpt.engine.offload_store import HostCopyBackend, OffloadBackend
+from gradckpt.engine.offload.store import HostCopyBackend, OffloadBackend
 
 __all__ = ["CreatedStorages", "OffloadGroup", "OffloadSession", "run_offloaded", "storage_key"]
 

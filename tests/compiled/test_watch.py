@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import gradckpt
-from gradckpt.apply.compiled_watch import compile_stats
+from gradckpt.compiled.watch import compile_stats
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")

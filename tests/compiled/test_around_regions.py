@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradckpt
-from gradckpt.integrations.compile import compile_model, compiled_units
+from gradckpt.compiled.around_regions import compile_model, compiled_units
 from gradckpt.planning import Plan, Segment, UnitChoice
 from gradckpt.planning.solvers import save_matmuls_plan
 from gradckpt.profiling import model_fingerprint

@@ -16,8 +16,8 @@ from torch import nn
 import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.offload import OffloadSession, run_offloaded
-from gradckpt.engine.offload_runtime import OffloadRuntime
-from gradckpt.engine.offload_store import HostCopyBackend
+from gradckpt.engine.offload.runtime import OffloadRuntime
+from gradckpt.engine.offload.store import HostCopyBackend
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan, UnitChoice, simulate
 from gradckpt.planning.offload_cost import OffloadOptions

@@ -1,7 +1,7 @@
 """Where offloaded bytes go: the backend interface and the host-copy backend.
 
 A backend moves whole storages (as flat ``uint8`` tensors) out of the compute
-pool and back. The session (:mod:`gradckpt.engine.offload`) decides *what*
+pool and back. The session (:mod:`gradckpt.engine.offload.session`) decides *what*
 moves and *when*; a backend only knows *how*:
 
 * ``store(flat)`` starts copying ``flat`` out and returns a ticket;
@@ -17,7 +17,7 @@ compute pool (``gradckpt.measure.MemoryTracker``, the allocator tracker) see the
 source freed and the reload allocated, never the stored copy. That lets a
 CPU-only machine check gradients bit for bit, the compute pool's peak and the
 host bytes exactly. It copies synchronously: it says nothing about overlap,
-which is the CUDA backend's job (:mod:`gradckpt.engine.offload_cuda`).
+which is the CUDA backend's job (:mod:`gradckpt.engine.offload.cuda`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from gradckpt.engine.offload import OffloadSession, run_offloaded
-from gradckpt.engine.offload_cuda import CudaOffloadBackend, PinnedPool, size_class
-from gradckpt.engine.offload_store import HostOverBudgetError
+from gradckpt.engine.offload.cuda import CudaOffloadBackend, PinnedPool, size_class
+from gradckpt.engine.offload.store import HostOverBudgetError
 
 
 class FakeStreams:
