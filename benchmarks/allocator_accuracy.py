@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     base_parser,
     info_block,
     machine_info,
@@ -41,6 +41,7 @@ from benchmarks.common import (
     mib,
     plain,
     settle,
+    unknown_models,
     verdict,
     with_plan,
     write_results,
@@ -195,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = models(args.quick)
     if args.models:
         wanted = [m.strip() for m in args.models.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in chosen]
-        if unknown:
-            p.error(f"unknown model(s) {unknown}; choose from {sorted(chosen)}")
+        if error := unknown_models(wanted, chosen):
+            p.error(error)
         chosen = {m: chosen[m] for m in wanted}
     started = time.perf_counter()
     results = [run_model(name, build, print) for name, build in chosen.items()]

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     MiB,
     RunClock,
     base_parser,

@@ -56,7 +56,6 @@ Usage:
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import random
@@ -73,17 +72,19 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch
 
-from benchmarks.common import (
+from benchmarks.compiled_report import OURS_ALL, plot, report, verdicts
+from benchmarks.harness import (
+    RunClock,
     base_parser,
     hardware_slug,
-    load_average,
     load_note,
     machine_info,
     mib,
+    pooled,
+    read_results,
     settle,
     write_results,
 )
-from benchmarks.compiled_report import OURS_ALL, plot, pooled, report, verdicts
 
 MODELS = ("gpt2", "llama", "unet")
 KINDS = ("compiler", "twin", "gradckpt", "knob", "bytes")
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if args.from_json is not None:  # re-render an earlier run (e.g. with today's verdict rule)
-        data = json.loads(args.from_json.read_text())
+        data = read_results(args.from_json)
         data["info"].setdefault("shuffled", False)
         where = hardware_slug(data["info"].get("gpu"))
         _render(data, args.out, args.from_json.stem.rsplit(f"-{where}-", 1)[0])
@@ -496,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     settle(args)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     models = args.models or (["gpt2"] if args.quick else list(MODELS))
-    load_before = load_average()
-    started = time.perf_counter()
+    clock = RunClock.start()
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for model in models:
@@ -510,9 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         own_compile_caches=not args.shared_cache, device=args.device,
         processes=args.processes,
         gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
-        load_average_before=" / ".join(f"{x:.2f}" for x in load_before),
-        load_average_after=" / ".join(f"{x:.2f}" for x in load_average()),
-        wall_time_s=round(time.perf_counter() - started, 1),
+        **clock.info(),
     )  # fmt: skip
     info["load_note"] = load_note(info)
     data = {"version": 4, "info": info, "results": results}

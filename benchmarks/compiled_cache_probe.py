@@ -27,14 +27,14 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
+from benchmarks.compiled import FULL, QUICK, start_worker, timed_rounds
+from benchmarks.harness import (
     base_parser,
     info_block,
     machine_info,
     markdown_table,
     write_results,
 )
-from benchmarks.compiled import FULL, QUICK, start_worker, timed_rounds
 
 WORKERS = ("scratch", "cached1", "cached2")
 

@@ -24,15 +24,6 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch
 
-from benchmarks.common import (
-    base_parser,
-    info_block,
-    machine_info,
-    markdown_table,
-    mib,
-    settle,
-    write_results,
-)
 from benchmarks.compiled import (
     COMPILER_BUDGETS,
     FUSED_FRACTIONS,
@@ -40,6 +31,15 @@ from benchmarks.compiled import (
     PLAN_FRACTIONS,
     SMALL,
     _example,
+)
+from benchmarks.harness import (
+    base_parser,
+    info_block,
+    machine_info,
+    markdown_table,
+    mib,
+    settle,
+    write_results,
 )
 
 MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}

@@ -13,87 +13,24 @@ placement). ``twin`` rows measure that part: a second process running the
 compiler's own configuration, whose paired ratio against the first would be
 exactly 1 without such noise. A contender run in several processes
 (``replica_times``, one list per process) has as its round time the median
-of its processes' (:func:`pooled`), which shrinks that noise, and its
+of its processes' (:func:`benchmarks.harness.stats.pooled`), which shrinks that noise, and its
 interval resamples the processes as well as the rounds.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import MiB, fmt_ratio, info_block, markdown_table, mib
+from benchmarks.harness import MiB, fmt_ratio, info_block, markdown_table, mib
+from benchmarks.harness.stats import paired_ratios, paired_stats
 
 # gradckpt's whole candidate set: what ``fit_compiled`` chooses from.
 OURS_ALL = ("gradckpt", "knob", "bytes")
 VERDICT_HEADERS = ["compiler point", "gradckpt point", "paired time ratio (95% interval)", "verdict"]
 PARTITION_HEADERS = ["contender", "default saves (MiB)", "cap (MiB)", "saved (MiB)",
                      "recompute (GFLOP)"]  # fmt: skip
-BOOTSTRAP = 2000
-
-
-def paired_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> list[float]:
-    """Per timed round, our step time over theirs (rounds where both were timed)."""
-    return [a / b for a, b in zip(ours["times"], theirs["times"]) if b > 0]
-
-
-def pooled(replica_times: list[list[float]]) -> list[float]:
-    """Per round, the median of the processes' step times (processes of one contender).
-
-    A process that died has fewer rounds; later rounds pool the processes still timed.
-    """
-    rounds = max((len(t) for t in replica_times), default=0)
-    return [statistics.median(t[i] for t in replica_times if len(t) > i) for i in range(rounds)]
-
-
-def _replicas(row: dict[str, Any]) -> list[list[float]]:
-    return row.get("replica_times") or [row["times"]]
-
-
-def paired_stats(
-    ours: dict[str, Any], theirs: dict[str, Any], rounds: slice = slice(None), seed: int = 0
-) -> tuple[float, float, float]:
-    """Median paired ratio over ``rounds`` and a bootstrap 95% interval.
-
-    With one process per side the bootstrap resamples rounds; with several it
-    also resamples each side's processes (then pools them per round), so the
-    interval holds the noise that stays with a process, not only the round's.
-    """
-    ratios = paired_ratios(ours, theirs)[rounds]
-    mine, other = _replicas(ours), _replicas(theirs)
-    if len(mine) == 1 and len(other) == 1:
-        return median_interval(ratios, seed)
-    mine = [t[rounds] for t in mine]
-    other = [t[rounds] for t in other]
-    rng = random.Random(seed)
-    medians = []
-    for _ in range(BOOTSTRAP):
-        a = pooled(rng.choices(mine, k=len(mine)))
-        b = pooled(rng.choices(other, k=len(other)))
-        n = min(len(a), len(b))
-        picks = rng.choices(range(n), k=n)
-        medians.append(statistics.median(a[i] / b[i] for i in picks))
-    medians.sort()
-    return (
-        statistics.median(ratios),
-        medians[int(0.025 * BOOTSTRAP)],
-        medians[int(0.975 * BOOTSTRAP) - 1],
-    )
-
-
-def median_interval(values: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """The median and a bootstrap 95% interval of the median (seeded, so reports reproduce)."""
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP)
-    )
-    return (
-        statistics.median(values),
-        medians[int(0.025 * BOOTSTRAP)],
-        medians[int(0.975 * BOOTSTRAP) - 1],
-    )
 
 
 def _ratio_text(median: float, low: float, high: float) -> str:

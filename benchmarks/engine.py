@@ -18,14 +18,13 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
+from benchmarks.harness import (
     RunClock,
     base_parser,
     fmt_ratio,
@@ -39,6 +38,7 @@ from benchmarks.common import (
     mib,
     per_block,
     plain,
+    read_results,
     settle,
     torch_checkpoint,
     torch_sac,
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # fmt: skip
     settle(args)
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
+        saved = read_results(args.from_json)
         results = measured_from_json(saved["results"], "plain")
         md, data = report(results, saved["info"])
         md_path, json_path = write_results(args.out, "engine", md, data, saved["info"]["date"])

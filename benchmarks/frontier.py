@@ -28,7 +28,6 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     Installer,
     Measured,
     MiB,
@@ -56,10 +55,12 @@ from benchmarks.common import (
     mib,
     per_block,
     plain,
+    read_results,
     results_path,
     settle,
     torch_checkpoint,
     torch_sac,
+    unknown_models,
     verdict,
     with_plan,
     write_results,
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # fmt: skip
     settle(args)
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
+        saved = read_results(args.from_json)
         render(saved["models"], saved["planning"], saved["info"], args.out)
         return 0
     if args.profile_repeats is None:
@@ -501,9 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         args.plan_repeats = 1 if args.quick else 3
     sizes = MODELS_QUICK if args.quick else MODELS_FULL
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in sizes]
-    if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from {sorted(sizes)}")
+    if error := unknown_models(names, sizes):
+        p.error(error)
     clock = RunClock.start()
     results = [run_model(n, sizes[n], args) for n in names]
     planning = None

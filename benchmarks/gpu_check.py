@@ -66,12 +66,19 @@ import torch
 from torch import nn
 
 import gradckpt
-from benchmarks.common import hardware_slug
+from benchmarks.harness import (
+    RESULTS,
+    MiB,
+    clear_grads,
+    hardware_slug,
+    info_block,
+    release,
+    results_path,
+    unknown_models,
+)
 from gradckpt.measure import AllocatorTracker, MemoryTracker, state_bytes
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-MiB = 1 << 20
 TOLERANCE = 0.05  # predicted peak within 5% of the measured one (DESIGN.md's target)
 
 # name -> (GPU sizes, dry-run sizes) for the zoo models
@@ -159,28 +166,23 @@ def models(dry: bool, device: str) -> dict[str, Callable[[], tuple[nn.Module, Lo
 # --------------------------------------------------------------------------- measuring
 
 
-def _clear(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
 def allocator_peak(model: nn.Module, step: Step, device: str) -> tuple[int, int | None]:
     """Parameters and buffers plus the allocator's peak above what it held before the step,
     and (CUDA) the peak of reserved bytes above those reserved before (None on CPU)."""
-    _clear(model)
+    clear_grads(model)
     with AllocatorTracker(device) as allocator:
         step()
-    _clear(model)
+    clear_grads(model)
     reserved = allocator.reserved_peak_bytes
     return state_bytes(model) + allocator.peak_bytes, reserved
 
 
 def tracker_peak(model: nn.Module, step: Step) -> int:
     """The same quantity from the live-storage tracker (CPU, or a cross-check on CUDA)."""
-    _clear(model)
+    clear_grads(model)
     with MemoryTracker(model) as tracker:
         step()
-    _clear(model)
+    clear_grads(model)
     return tracker.peak_bytes
 
 
@@ -200,7 +202,7 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
     budgets = {"least": least, "halfway": (least + plain) // 2, "90%": int(0.9 * plain)}
     budgets = {k: b for k, b in budgets.items() if k == "least" or b > least}  # all reachable
     step()  # warm-up: lazily allocated workspaces (cuBLAS) exist before any measurement
-    _clear(model)
+    clear_grads(model)
     rows = []
     contenders: list[tuple[str, int | None, gradckpt.Plan | None]] = [("plain", None, None)]
     for label, budget in budgets.items():
@@ -477,7 +479,7 @@ def report(
 
         lines += report_lines(offload)
     lines += ["", "## Notes", "", *(f"- {n}" for n in notes), "", "## Setup", ""]
-    lines += [f"- **{k}**: {v}" for k, v in info.items()]
+    lines.append(info_block(info))
     return "\n".join(lines) + "\n"
 
 
@@ -523,9 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = models(dry, device)
     if args.models:
         wanted = [m.strip() for m in args.models.split(",")]
-        unknown = [m for m in wanted if m not in chosen]
-        if unknown:
-            p.error(f"unknown model(s) {unknown}; choose from {sorted(chosen)}")
+        if error := unknown_models(wanted, chosen):
+            p.error(error)
         chosen = {m: chosen[m] for m in wanted}
     if not any(name.startswith("hf-") for name in chosen) and not args.models:
         notes.append("transformers is not installed: the Hugging Face models were skipped")
@@ -539,8 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one model's failure must not hide the others' results
             notes.append(f"{name}: failed with {type(e).__name__}: {str(e)[:300]}")
             print(f"  {name} failed: {type(e).__name__}: {e}", flush=True)
-        if not dry:
-            torch.cuda.empty_cache()
+        release(device)  # CUDA: the next model starts with the cache emptied
     benchmarks = {} if args.skip_benchmarks else run_benchmarks(dry, device, args.out, left, notes)
     frontier: list[dict] = benchmarks.get("frontier", [])
     offload: dict | None = benchmarks.get("offload")
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_time_s": round(time.perf_counter() - started, 1),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    md = args.out / f"gpu-check-{slug}-{date}.md"
+    md = results_path(args.out, "gpu-check", "md", date, slug)
     md.write_text(report(gpu, checks, frontier, notes, info, offload))
     md.with_suffix(".json").write_text(json.dumps(
         {"info": info, "checks": checks, "frontier": frontier, "offload": offload,

@@ -42,24 +42,26 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     RunClock,
     base_parser,
+    clear_grads,
+    fastest_ratio,
     fmt_ratio,
     info_block,
+    library_checkpointing,
     machine_info,
     make_step,
     markdown_table,
     mib,
     settle,
+    step_clock,
     verdict,
     write_results,
 )
 from gradckpt.measure import ratio, time_interleaved
-from gradckpt.measure.timing import work_clock
 
 MODELS = ("gpt2", "llama", "bert", "vit", "t5", "llama-lora", "unet-512", "sd-unet")
 # Sizes for a 0.5-3 s step on one CPU thread.
@@ -118,17 +120,6 @@ class Run:
         return self.peak_bytes <= self.budget_bytes
 
 
-def _hf_enable(model: torch.nn.Module) -> None:
-    if hasattr(model, "enable_gradient_checkpointing"):  # diffusers (non-reentrant)
-        model.enable_gradient_checkpointing()
-        return
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:  # transformers < 5
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def _measure(run: Run, seed: int, plain: Run | None) -> None:
     from gradckpt.integrations.hf_zoo import run_step
 
@@ -162,7 +153,7 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
     runs = {c: Run(c, build()) for c in CONTENDERS}
     plain, hf_run = runs["plain"], runs["hf"]
     _measure(plain, args.seed, None)
-    _hf_enable(hf_run.example.model)
+    library_checkpointing(hf_run.example.model)
     _measure(hf_run, args.seed, plain)
     budgets = {
         "gradckpt@hf": hf_run.peak_bytes,
@@ -209,19 +200,18 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
     log(
         f"  timing {len(steps)} contenders interleaved: {args.warmup} warm-up, {args.repeats} rounds"
     )
-    clock = work_clock("cpu") if args.clock == "cpu" else None
+    clock = step_clock("cpu", args.clock)
     timings = time_interleaved(steps, warmup=args.warmup, repeats=args.repeats, clock=clock)
     for c, timing in timings.items():
         runs[c].median_s = timing.median
         runs[c].ratio = ratio(timing, timings["plain"])
-        runs[c].min_ratio = min(timing.times) / min(timings["plain"].times)
+        runs[c].min_ratio = fastest_ratio(timing, timings["plain"])
         runs[c].round_ratios = tuple(
             t / p for t, p in zip(timing.times, timings["plain"].times, strict=True)
         )
     for run in runs.values():
         run.info.pop("step", None)
-        for p in run.example.model.parameters():
-            p.grad = None
+        clear_grads(run.example.model)
     return runs
 
 

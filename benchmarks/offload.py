@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     base_parser,
     info_block,
     load_average,

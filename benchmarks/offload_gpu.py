@@ -23,18 +23,19 @@ largest difference when not).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     make_step,
     per_block,
     plain,
+    sync,
     torch_checkpoint,
+    wall_timed,
     with_plan,
     wrap_blocks,
 )
@@ -54,13 +55,10 @@ def measure_link(device: str, nbytes: int = 256 << 20, rounds: int = 5) -> tuple
     out = []
     for copy in (lambda: host.copy_(src, non_blocking=True),
                  lambda: src.copy_(host, non_blocking=True)):  # fmt: skip
-        times = []
+        times: list[float] = []
+        timed = wall_timed(copy, device, times)
         for _ in range(rounds):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            copy()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            timed()
         out.append(nbytes / statistics.median(times))
     return out[0], out[1]
 
@@ -88,20 +86,15 @@ def _offload_all(install: Callable[[Example], Callable[[], None]], pin: bool):
     return installer
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _run(ex: Example, install, device: str) -> tuple[int, dict[str, torch.Tensor]]:
     undo = install(ex)
     try:
         step = make_step(ex)
         step()  # warm-up
-        _sync(device)
+        sync(device)
         with AllocatorTracker(device) as tracker:
             step()
-            _sync(device)
+            sync(device)
         grads = {k: p.grad.clone() for k, p in ex.model.named_parameters() if p.grad is not None}
     finally:
         undo()
@@ -114,12 +107,7 @@ def _time(ex: Example, installs: dict[str, Any], device: str, rounds: int) -> di
         for name, install in installs.items():
             undo = install(ex)
             try:
-                step = make_step(ex)
-                _sync(device)
-                start = time.perf_counter()
-                step()
-                _sync(device)
-                times[name].append(time.perf_counter() - start)
+                wall_timed(make_step(ex), device, times[name])()
             finally:
                 undo()
     return {name: statistics.median(t) for name, t in times.items()}

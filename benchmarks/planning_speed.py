@@ -33,14 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     base_parser,
     info_block,
     load_average,
     load_note,
     machine_info,
     markdown_table,
+    read_results,
     settle,
+    unknown_models,
     verdict,
     write_results,
 )
@@ -270,16 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     settle(args)
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
+        saved = read_results(args.from_json)
         print(render(saved["rows"], saved["info"], args.out, saved.get("llama70b")))
         return 0
     blocks = BLOCKS_QUICK if args.quick else BLOCKS_FULL
     if args.blocks:
         blocks = tuple(int(b) for b in args.blocks.split(","))
     kinds = [k.strip() for k in args.models.split(",") if k.strip() not in ("", "none")]
-    unknown = [k for k in kinds if k not in SIZES]
-    if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from {sorted(SIZES)}")
+    if error := unknown_models(kinds, SIZES):
+        p.error(error)
     load_before = load_average()
     rows = [measure(kind, n, args.profiles) for kind in kinds for n in blocks]
     llama = measure_llama70b() if args.llama70b else None

@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     base_parser,
     info_block,
     load_average,
@@ -54,6 +54,7 @@ from benchmarks.common import (
     machine_info,
     markdown_table,
     mib,
+    read_results,
     results_path,
     settle,
     verdict,
@@ -321,7 +322,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
 
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)  # fmt: skip
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
+        data = read_results(args.from_json)
     else:
         settle(args)
         sizes = dict(QUICK if args.quick else FULL)

@@ -41,9 +41,7 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -58,7 +56,7 @@ import torch
 from torch import nn
 
 import gradckpt
-from benchmarks.common import (
+from benchmarks.harness import (
     RunClock,
     base_parser,
     info_block,
@@ -66,6 +64,8 @@ from benchmarks.common import (
     machine_info,
     markdown_table,
     mib,
+    read_results,
+    rerun_command,
     settle,
     write_results,
 )
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     settle(args)
     if args.from_json is not None:
-        data = json.loads(args.from_json.read_text())
+        data = read_results(args.from_json)
         date = data["info"]["date"]
         md, js = write_results(args.out, "whole-step", render(data), data, date=date)
         print(render(data))
@@ -505,11 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     adamw = next((r for r in rows if r["optimizer"].startswith("AdamW (for-loop")
                   and r["accumulation_steps"] == 1), None)  # fmt: skip
     ignored = run_ignored(sizes, adamw["budget_bytes"], args.seed) if adamw else None
-    argv = sys.argv[1:] if argv is None else list(argv)
     model = f"HF GPT-2 (transformers, random weights, dropout 0.1) {sizes}"
     info = machine_info(
         model=model, sizes=sizes, fraction=FRACTION, steps=STEPS, quick=args.quick,
-        seed=args.seed, command=shlex.join(["python", "-m", "benchmarks.whole_step", *argv]),
+        seed=args.seed, command=rerun_command("benchmarks.whole_step", argv),
         **clock.info(),
     )  # fmt: skip
     data = {"rows": rows, "ignored": ignored, "info": info}

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.compiled_report import (
-    count,
-    median_interval,
-    paired_ratios,
-    paired_stats,
-    pooled,
-    process_spread,
-    twin_noise,
-    verdicts,
-)
+from benchmarks.compiled_report import count, process_spread, twin_noise, verdicts
+from benchmarks.harness.stats import median_interval, paired_ratios, paired_stats, pooled
 
 
 def _row(kind, peak, times, **extra):

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tune_quick_writes_report_json_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
-    from benchmarks.tune import MODELS, VERDICT_HEADERS
+    from benchmarks.tune import MODELS
+    from benchmarks.tune_report import VERDICT_HEADERS
 
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.tune", "--quick", "--out", str(tmp_path)],

@@ -1,4 +1,4 @@
-"""``benchmarks/common.py``'s run clock: what every benchmark's setup block says of its run."""
+"""``benchmarks/harness``' run clock: what every benchmark's setup block says of its run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import re
 import time
 
-from benchmarks.common import RunClock, load_note
+from benchmarks.harness import RunClock, load_note
 
 
 def test_run_clock_gives_the_loads_and_the_wall_time_since_it_started():
@@ -38,7 +38,7 @@ def test_the_runs_own_threads_in_the_load_after_it_are_not_a_busy_machine():
 
 
 def test_results_record_the_environment_that_changes_step_times(monkeypatch) -> None:
-    from benchmarks.common import SPEED_VARIABLES, machine_info
+    from benchmarks.harness import SPEED_VARIABLES, machine_info
 
     for key in list(os.environ):
         if key.startswith(SPEED_VARIABLES):

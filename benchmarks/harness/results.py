@@ -1,0 +1,75 @@
+"""Results files and their Markdown: names by what/where/when, tables, cells."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; cells are str()-ed."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def info_block(info: dict[str, Any]) -> str:
+    """Machine info and settings as a Markdown bullet list."""
+    return "\n".join(f"- **{k}**: {v}" for k, v in info.items())
+
+
+def mib(nbytes: float | None) -> str:
+    """Bytes as MiB with one decimal; ``n/a`` for None."""
+    return "n/a" if nbytes is None else f"{nbytes / MiB:.1f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    """A ratio with three decimals; ``n/a`` for None."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def verdict(met: bool) -> str:
+    """A target's verdict cell."""
+    return "**met**" if met else "**missed**"
+
+
+def hardware_slug(gpu: str | None) -> str:
+    """A results file's hardware part: ``cpu``, or the GPU's name as a slug.
+
+    Example:
+        >>> hardware_slug("NVIDIA H200")
+        'nvidia-h200'
+    """
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") if gpu else "cpu"
+
+
+def results_path(
+    out: Path, what: str, ext: str, date: str | None = None, where: str = "cpu"
+) -> Path:
+    """``<out>/<what>-<where>-<YYYY-MM-DD>.<ext>`` (today unless ``date`` is given)."""
+    return Path(out) / f"{what}-{where}-{date or datetime.date.today().isoformat()}.{ext}"
+
+
+def write_results(
+    out: Path, what: str, markdown: str, data: dict[str, Any], date: str | None = None,
+    where: str = "cpu",
+) -> tuple[Path, Path]:  # fmt: skip
+    """Write the Markdown report and its JSON next to it; returns both paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = (results_path(out, what, ext, date, where) for ext in ("md", "json"))
+    md.write_text(markdown.rstrip() + "\n")
+    js.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return md, js
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The data an earlier run wrote (``--from-json``)."""
+    return json.loads(Path(path).read_text())
