@@ -45,7 +45,7 @@ from benchmarks.common import (
     with_plan,
     write_results,
 )
-from gradckpt.planning.solvers import (
+from gradckpt.planning.solving.solvers import (
     every_kth_plan,
     finish,
     save_matmuls_plan,

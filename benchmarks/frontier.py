@@ -64,8 +64,8 @@ from benchmarks.common import (
     with_plan,
     write_results,
 )
-from gradckpt.planning.plan import Plan, Segment, iter_units
-from gradckpt.planning.solvers import (
+from gradckpt.planning.plans.plan import Plan, Segment, iter_units
+from gradckpt.planning.solving.solvers import (
     every_kth_plan,
     finish,
     none_plan,

@@ -46,8 +46,8 @@ from gradckpt.apply.compiled import uncompile
 from gradckpt.apply.compiled_hold import compiled_step_peak
 from gradckpt.integrations.compiled_knapsack import SavedBytesSolver, saved_bytes_config
 from gradckpt.planning import Plan
-from gradckpt.planning.budget import BudgetError, parse_budget
-from gradckpt.planning.solvers import solve
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError, parse_budget
 from gradckpt.profiling import profile as make_profile
 from gradckpt.profiling.records import Profile, retimed
 
