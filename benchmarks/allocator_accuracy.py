@@ -46,7 +46,7 @@ from benchmarks.harness import (
     with_plan,
     write_results,
 )
-from gradckpt.planning.solvers import (
+from gradckpt.planning.solving.solvers import (
     every_kth_plan,
     finish,
     save_matmuls_plan,

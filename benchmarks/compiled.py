@@ -225,8 +225,8 @@ def _plans(
     """
     import gradckpt
     from gradckpt.compiled.budget import fused_profile
-    from gradckpt.planning.budget import parse_budget
-    from gradckpt.planning.solvers import solve
+    from gradckpt.planning.solve import solve
+    from gradckpt.planning.solving.budget import parse_budget
 
     ex = _example(model, sizes, device)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)

@@ -97,8 +97,8 @@ def _read(model: str, sizes: dict, plan: Any = None, budget: float = 1.0) -> dic
 def _rows(model: str) -> list[tuple[str, dict[str, int], str]]:
     import gradckpt
     from gradckpt.compiled.budget import fused_profile
-    from gradckpt.planning.budget import parse_budget
-    from gradckpt.planning.solvers import solve
+    from gradckpt.planning.solve import solve
+    from gradckpt.planning.solving.budget import parse_budget
 
     sizes = SMALL[model]
     rows = []

@@ -65,8 +65,8 @@ from benchmarks.harness import (
     with_plan,
     write_results,
 )
-from gradckpt.planning.plan import Plan, Segment, iter_units
-from gradckpt.planning.solvers import (
+from gradckpt.planning.plans.plan import Plan, Segment, iter_units
+from gradckpt.planning.solving.solvers import (
     every_kth_plan,
     finish,
     none_plan,

@@ -240,7 +240,7 @@ def check_model(name: str, build: Callable, dry: bool, log: Callable[[str], None
 
 
 def _describe(plan: gradckpt.Plan) -> str:
-    from gradckpt.planning.plan import Segment
+    from gradckpt.planning.plans.plan import Segment
 
     modes = [u.mode for u in plan.units]
     parts = [f"{modes.count(m)} {m}" for m in ("recompute", "selective") if modes.count(m)]

@@ -61,7 +61,7 @@ from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.planning import simulate
-from gradckpt.planning.offload_solve import offload_candidates
+from gradckpt.planning.kinds.offload.solve import offload_candidates
 from gradckpt.profiling.fake import SPEEDS, estimate_time
 from gradckpt.testing import make
 

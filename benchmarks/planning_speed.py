@@ -3,9 +3,9 @@
 For residual-MLP and GPT models of 24 to 400 blocks (profiled under fake
 tensors: only planning is timed), it times the three stages of ``solve_dp``:
 
-* **chain**: :func:`gradckpt.planning.chain.build_chain` (calibration simulations)
+* **chain**: :func:`gradckpt.planning.solving.chain.build_chain` (calibration simulations)
   and the engine's costs added to its options, as ``solve_dp`` does;
-* **dp**: :class:`gradckpt.planning.dp.ChainDP` (tables for every budget);
+* **dp**: :class:`gradckpt.planning.solving.dp.ChainDP` (tables for every budget);
 * **finish**: ``solve_dp`` at one budget given the chain and tables (the DP's
   plans checked on the simulator, polish, predictions).
 
@@ -46,10 +46,9 @@ from benchmarks.harness import (
     verdict,
     write_results,
 )
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.costs import with_engine_costs
-from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.solvers import solve_dp
+from gradckpt.planning.solving.chain import build_chain, with_engine_costs
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.solvers import solve_dp
 from gradckpt.profiling.records import Profile
 from gradckpt.testing import make
 

@@ -72,7 +72,7 @@ from benchmarks.harness import (
 from gradckpt.api_budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, optimizer_memory
 from gradckpt.measure.optimizer import optimizer_state_sizes
-from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.testing import Example
 
 FRACTION = 0.6  # the budget, as a fraction of the predicted plain whole-step peak

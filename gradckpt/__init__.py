@@ -30,11 +30,11 @@ from gradckpt.engine import (
     tag,
 )
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.errors import PlanFormatError
-from gradckpt.planning.offload_cost import OffloadOptions
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.planset import PlanSet
+from gradckpt.planning.plans.errors import PlanFormatError
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.plans.planset import PlanSet
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling import Profile
 from gradckpt.tuning import TuneResult, tune
 

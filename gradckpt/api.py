@@ -28,14 +28,14 @@ from gradckpt.api_checks import check_arguments
 from gradckpt.api_shapes import PlanOptions
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
-from gradckpt.planning.budget import check_budget
-from gradckpt.planning.explain import Explanation
-from gradckpt.planning.offload_cost import OffloadOptions, offload_options
-from gradckpt.planning.plan import Plan
+from gradckpt.planning.explaining.explain import Explanation
 from gradckpt.planning.planner import FrontierPoint, Planner
-from gradckpt.planning.planset import PlanSet, ShapeKey
-from gradckpt.planning.solvers import Solver
-from gradckpt.planning.whole_step import with_training_step
+from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.plans.planset import PlanSet, ShapeKey
+from gradckpt.planning.solving.budget import check_budget
+from gradckpt.planning.solving.solvers import Solver
+from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
@@ -123,7 +123,7 @@ def plan(
             fake tensors and checked on steps under plans that fit
             (:mod:`gradckpt.api_budget`).
         blocks: the repeated blocks (paths or predicate); found automatically if None.
-        solver: "dp" (default) or a baseline name from ``gradckpt.planning.solvers.SOLVERS``.
+        solver: "dp" (default) or a baseline name from ``gradckpt.planning.solving.solvers.SOLVERS``.
         repeats: profiled steps to take median op times from.
         profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
         segments: allow regions that span several units (False for FSDP, whose
@@ -235,7 +235,7 @@ def fit(
         seq_dim: the sequence dimension: integer ``shapes`` resize it, and a call that
             changes only it is planned by rescaling (below).
         rescale: plan a call that changes only the sequence length from profiles at
-            four lengths rescaled exactly (:mod:`gradckpt.planning.rescale`; built at the
+            four lengths rescaled exactly (:mod:`gradckpt.planning.solving.rescale`; built at the
             first such call, then each new length costs a solve, not a profile);
             False profiles every new shape under fake tensors.
         measure_candidates: how many plans that fit to run for 3 real steps each,
@@ -396,7 +396,7 @@ def explain(
             offloaded units say what moves, when, and what the link costs.
 
     Returns:
-        An :class:`~gradckpt.planning.explain.Explanation`: ``rows``, ``units``,
+        An :class:`~gradckpt.planning.explaining.explain.Explanation`: ``rows``, ``units``,
         ``kept_bytes``, ``recomputed_bytes``, ``peak``; ``table()`` and ``to_json()``.
 
     Example:

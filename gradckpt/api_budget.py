@@ -3,7 +3,7 @@
 * ``optimizer=``, ``accumulation_steps=``, ``set_to_none=`` become a
   :class:`~gradckpt.profiling.training_step.TrainingStep` (the optimizer's memory
   predicted on fake tensors, :mod:`gradckpt.measure.optimizer`), folded into the
-  profile (:mod:`gradckpt.planning.whole_step`).
+  profile (:mod:`gradckpt.planning.solving.whole_step`).
 * ``budget="auto"`` becomes bytes from the device the model is on
   (:mod:`gradckpt.measure.device`), logged with its rule.
 * **Planning never runs the step above a byte budget.** The step is first
@@ -39,9 +39,9 @@ from torch import nn
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
-from gradckpt.planning.budget import read_budget
-from gradckpt.planning.plan import Plan
-from gradckpt.planning.whole_step import check_floor, with_training_step
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.solving.budget import read_budget
+from gradckpt.planning.solving.whole_step import check_floor, with_training_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from gradckpt.planning.budget import check_budget
-from gradckpt.planning.solvers import SOLVERS
+from gradckpt.planning.solving.budget import check_budget
+from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
 __all__ = ["check_arguments"]

@@ -30,15 +30,15 @@ from gradckpt.apply.real_shape import (
     unseen_share,
     verified_at_shape,
 )
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.offload_cost import OffloadOptions
-from gradckpt.planning.plan import Plan, Segment
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.planset import ShapeKey
-from gradckpt.planning.rescale import with_measured_workspace
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import Solver
-from gradckpt.planning.whole_step import with_training_step
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.plans.plan import Plan, Segment
+from gradckpt.planning.plans.planset import ShapeKey
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.rescale import with_measured_workspace
+from gradckpt.planning.solving.solvers import Solver
+from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.fake import fake_model
 from gradckpt.profiling.records import Profile

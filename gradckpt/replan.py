@@ -29,9 +29,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.planset import ShapeKey, as_written, shape_key
-from gradckpt.planning.simulate import simulate
+from gradckpt.planning.plans.planset import ShapeKey, as_written, shape_key
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling.fake import fake_op_names
 
 __all__ = [
@@ -223,7 +223,7 @@ class ShapePlanner:
     """Plans a model call at its shape, by the first route of :data:`ROUTES` that works.
 
     1. **fake** / **rescaled**: a call that differs from the fitted one only in
-       sequence length is planned from a :class:`~gradckpt.planning.rescale.LengthScaling`
+       sequence length is planned from a :class:`~gradckpt.planning.solving.rescale.LengthScaling`
        built (once, at the first such call) from fake profiles at four lengths,
        accepted only when a fake trace of the forward at the new length
        dispatches the same ops as at the lengths it was fitted on (a branch on
@@ -362,7 +362,7 @@ class ShapePlanner:
         return old, "old-plan"
 
     def _fit_scaling(self, lengths: tuple[int, int], at_new: Any) -> Any:
-        from gradckpt.planning.rescale import fit_length_scaling
+        from gradckpt.planning.solving.rescale import fit_length_scaling
 
         fitted, new = lengths
         low, high = sorted((fitted, new))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.solving.budget import parse_budget
 from gradckpt.profiling import ProfileError
 from gradckpt.testing import make
 

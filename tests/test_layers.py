@@ -130,4 +130,130 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert imports_of(source) == [(4, "gradckpt.measure"), (2, "gradckpt.api"),
                                   (3, "gradckpt.cli")] or sorted(imports_of(source)) == [
         (2, "gradckpt.api"), (3, "gradckpt.cli"), (4, "gradckpt.measure")]  # fmt: skip
-    assert LAYERS.index(layer_of("gradckpt.api")) > LAYERS.index(layer_of("gradckpt.planning.dp"))
+    planning = layer_of("gradckpt.planning.solving.dp")
+    assert LAYERS.index(layer_of("gradckpt.api")) > LAYERS.index(planning)
+
+
+# ------------------------------------------------------------ inside the planning layer
+
+PLANNING = "gradckpt.planning"
+# Parts of gradckpt/planning, lowest first: a planning module may import its own
+# part and the ones before it. The kinds sit above the simulator and the solvers
+# (which reach them only through the registry in ``handlers``); "package" is
+# gradckpt/planning's own modules (__init__, which loads the kinds; solve; planner).
+PLANNING_PARTS = ("handlers", "plans", "simulation", "solving", "kinds", "explaining", "package")
+
+
+def planning_part(module: str) -> str:
+    """The part of gradckpt.planning that ``module`` (a gradckpt.planning module) is in."""
+    head = module[len(PLANNING) + 1 :].split(".")[0] if module != PLANNING else ""
+    if not head or not (PACKAGE / "planning" / head / "__init__.py").is_file():
+        return "package"  # gradckpt.planning itself, or a module directly in it
+    assert head in PLANNING_PARTS, (
+        f"gradckpt/planning/{head}/ is in no part: add it to PLANNING_PARTS in "
+        "tests/test_layers.py and to docs/architecture.md"
+    )
+    return head
+
+
+def _in_planning(module: str) -> bool:
+    return module == PLANNING or module.startswith(PLANNING + ".")
+
+
+def upward_planning_imports(path: Path, module: str) -> list[str]:
+    """Imports in ``path`` (the source of ``module``) of a planning part above its own."""
+    here = planning_part(module)
+    return [
+        f"{path.name}:{line} ({here}) imports {target} ({planning_part(target)})"
+        for line, target in imports_of(path)
+        if _in_planning(target)
+        and PLANNING_PARTS.index(planning_part(target)) > PLANNING_PARTS.index(here)
+    ]
+
+
+def _planning_sources() -> list[Path]:
+    return sorted((PACKAGE / "planning").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _planning_sources(), ids=lambda p: _module_name(p))
+def test_no_planning_module_imports_a_part_above_its_own(path):
+    upward = upward_planning_imports(path, _module_name(path))
+    assert not upward, "upward imports inside gradckpt.planning:\n" + "\n".join(upward)
+
+
+def test_the_check_sees_an_upward_import_between_planning_parts(tmp_path):
+    # A lazy import, and one for type checking only, as a circle is usually hidden.
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from gradckpt.planning.kinds.keep import KeepHandler\n"
+        "def f():\n    from gradckpt.planning.solving.chain import build_chain\n"
+    )
+    assert len(upward_planning_imports(source, "gradckpt.planning.simulation.simulate")) == 2
+    assert upward_planning_imports(source, "gradckpt.planning.solving.chain") != []  # kinds
+    assert upward_planning_imports(source, "gradckpt.planning.explaining.explain") == []
+    assert planning_part("gradckpt.planning.kinds.offload.sim") == "kinds"
+    assert planning_part("gradckpt.planning.solve") == planning_part(PLANNING) == "package"
+
+
+def planning_graph() -> dict[str, set[str]]:
+    """Module -> the planning modules it imports (inside functions too).
+
+    ``from a.b import c`` imports module ``a.b.c`` when there is one, else ``a.b``.
+    A module's parent packages run before it whatever it imports, so they are not
+    edges (``gradckpt.planning`` imports the kinds, and every module is under it).
+    """
+    modules = {_module_name(p): p for p in _planning_sources()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                found.update([s for s in subs if s in modules] or [node.module])
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_inside_planning():
+    graph = planning_graph()
+    assert "gradckpt.planning.solving.dp_chain" in graph["gradckpt.planning.solving.dp"]
+    assert import_circles(graph) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = planning_graph()
+    graph["gradckpt.planning.handlers.registry"].add("gradckpt.planning.kinds")  # a lazy load
+    circles = import_circles(graph)
+    assert len(circles) == 1 and "gradckpt.planning.kinds.keep" in circles[0]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 import gradckpt
-from gradckpt.planning.plan import Plan
-from gradckpt.planning.planset import PlanSet
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.plans.planset import PlanSet
 from gradckpt.testing import make
 
 

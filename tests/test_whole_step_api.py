@@ -18,7 +18,7 @@ from gradckpt.integrations.hf import disable_cache
 from gradckpt.integrations.hf_zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.device import DeviceMemory
-from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

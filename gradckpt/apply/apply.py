@@ -20,9 +20,9 @@ from gradckpt.apply.wrappers import (
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.planning.handlers import handler_for
-from gradckpt.planning.plan import Plan, Segment, UnitChoice
-from gradckpt.planning.planset import PlanSet
+from gradckpt.planning.handlers.registry import handler_for
+from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
+from gradckpt.planning.plans.planset import PlanSet
 from gradckpt.profiling.fingerprint import model_fingerprint
 
 __all__ = [

@@ -38,10 +38,10 @@ from gradckpt.apply.select import candidate_plans, pick_fastest
 from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import format_bytes
 from gradckpt.measure.timing import work_clock
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.simulate import simulate
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState

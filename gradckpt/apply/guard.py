@@ -2,7 +2,7 @@
 
 A plan's predicted peak holds for the shape it was made at. The guard runs at
 the top of the model's root wrapper (before any op of the call) and compares
-the call's :class:`~gradckpt.planning.planset.ShapeKey` with the active plan's:
+the call's :class:`~gradckpt.planning.plans.planset.ShapeKey` with the active plan's:
 
 * same key: nothing to do (one tuple comparison after building the key);
 * a key with a cached plan: switch to it (re-install the wrappers, no planning);
@@ -18,7 +18,7 @@ the call's :class:`~gradckpt.planning.planset.ShapeKey` with the active plan's:
 
 With ``round_up`` a key bounded in every dimension by a planned key runs under
 the smallest such plan (only for models whose peak is monotone in shape; see
-:func:`gradckpt.planning.planset.proves_monotone`). Calls without grad (eval) are not
+:func:`gradckpt.planning.plans.planset.proves_monotone`). Calls without grad (eval) are not
 guarded: nothing is kept for backward, so the plan does not matter.
 
 Every path that runs a plan has a guard: ``fit``'s (above), a plan set's, and
@@ -54,9 +54,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, finish, learning, start
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Plan
-from gradckpt.planning.planset import ShapeKey, as_written, shape_key
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.plans.planset import ShapeKey, as_written, shape_key
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gradckpt.planning.planset import ShapeKey
+from gradckpt.planning.plans.planset import ShapeKey
 
 if TYPE_CHECKING:
     from gradckpt.apply.guard import ShapeGuard

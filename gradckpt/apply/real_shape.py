@@ -30,11 +30,11 @@ from torch import nn
 from gradckpt.apply.apply import applied_plan, install_plan, remove
 from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import Solver
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.solvers import Solver
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState
@@ -113,7 +113,7 @@ def unseen_share(fitted: Profile | None) -> float:
     """The share of ``fitted``'s allocator peak its tensors do not account for (0 if unknown).
 
     What a fake profile at another shape cannot see either: kernel workspace beyond
-    what :func:`~gradckpt.planning.rescale.with_measured_workspace` carries over,
+    what :func:`~gradckpt.planning.solving.rescale.with_measured_workspace` carries over,
     temporaries the allocator rounds up. About 0 on transformers (tens of bytes);
     over 10% on a small UNet (convolution columns).
     """

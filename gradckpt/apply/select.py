@@ -34,11 +34,12 @@ from torch import nn
 from gradckpt.apply.apply import apply, remove
 from gradckpt.engine.decisions import Keep, Offload, Recompute, Selective
 from gradckpt.measure.timing import work_clock
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.chain import ChainModel
-from gradckpt.planning.plan import Plan, Segment, UnitChoice, iter_units
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.solvers import finish, solve, solve_dp
+from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice, iter_units
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.chain import ChainModel
+from gradckpt.planning.solving.solvers import finish, solve_dp
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState
 

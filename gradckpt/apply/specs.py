@@ -18,7 +18,7 @@ from torch import nn
 
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import KEEP, Decision
-from gradckpt.planning.handlers import KindHandler, handler_for
+from gradckpt.planning.handlers.registry import KindHandler, handler_for
 from gradckpt.planning.kinds.selective import PlanPolicy
 
 __all__ = [

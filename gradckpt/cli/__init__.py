@@ -145,7 +145,7 @@ def _offload_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
-    from gradckpt.planning.solvers import SOLVERS
+    from gradckpt.planning.solving.solvers import SOLVERS
 
     parser = _Parser(
         prog="gradckpt",

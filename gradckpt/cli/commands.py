@@ -30,9 +30,9 @@ from gradckpt.cli.extras import CliError, require
 from gradckpt.cli.output import Out
 from gradckpt.cli.targets import resolve
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.explain import Explanation, format_shape
+from gradckpt.planning.explaining.explain import Explanation, format_shape
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.whole_step import with_training_step
+from gradckpt.planning.solving.whole_step import with_training_step
 
 __all__ = ["run_bench", "run_explain", "run_plan"]
 
@@ -151,7 +151,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
     if not getattr(args, "shapes", None):
         return None
     import gradckpt
-    from gradckpt.planning.budget import BudgetError
+    from gradckpt.planning.solving.budget import BudgetError
 
     try:
         return gradckpt.plan(
@@ -170,7 +170,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
 
 
 def run_explain(args: argparse.Namespace, out: Out) -> int:
-    from gradckpt.planning.plan import Plan
+    from gradckpt.planning.plans.plan import Plan
 
     plan = None
     if args.plan:

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 from gradckpt.cli.extras import CliError, optional
 from gradckpt.cli.output import Out
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.explain import Explanation
+from gradckpt.planning.explaining.explain import Explanation
 
 if TYPE_CHECKING:
     from gradckpt.cli.targets import Target
     from gradckpt.measure.device import DeviceMemory
-    from gradckpt.planning.plan import Plan
     from gradckpt.planning.planner import FrontierPoint, Planner
+    from gradckpt.planning.plans.plan import Plan
     from gradckpt.profiling.records import Profile
 
 __all__ = [
@@ -46,7 +46,7 @@ def budget_arg(text: str) -> int | float | str:
     """A --budget value: '0.5' and '50%' are fractions, '800MB' has units, '123' is bytes,
     'auto' (alias 'device') the device's memory less headroom, resolved by :func:`device_budget`.
 
-    Read by the library's one budget parser (:func:`gradckpt.planning.budget.read_budget`);
+    Read by the library's one budget parser (:func:`gradckpt.planning.solving.budget.read_budget`);
     the command line adds 'least' (the least feasible peak).
 
     Example:
@@ -55,7 +55,7 @@ def budget_arg(text: str) -> int | float | str:
         >>> budget_arg("Device")
         'auto'
     """
-    from gradckpt.planning.budget import read_budget
+    from gradckpt.planning.solving.budget import read_budget
 
     raw = text.strip()
     if raw.lower() == "least":
@@ -145,8 +145,8 @@ def least_peak(planner: Planner) -> int:
 
 def offload_from_args(args: Any) -> Any:
     """``--offload [GB/S]`` and ``--host-budget`` as OffloadOptions (None without --offload)."""
-    from gradckpt.planning.budget import parse_budget
-    from gradckpt.planning.offload_cost import OffloadOptions
+    from gradckpt.planning.plans.offload_options import OffloadOptions
+    from gradckpt.planning.solving.budget import parse_budget
 
     gbps = getattr(args, "offload", None)
     host = getattr(args, "host_budget", None)
@@ -169,8 +169,8 @@ def plan_for(
     planner: Planner, budget: int | float | str, solver: str, name: str, offload: Any = None
 ) -> Plan:
     """Solve for ``budget``; a budget below the least feasible peak becomes a CliError."""
-    from gradckpt.planning.budget import BudgetError
-    from gradckpt.planning.whole_step import check_floor
+    from gradckpt.planning.solving.budget import BudgetError
+    from gradckpt.planning.solving.whole_step import check_floor
 
     prof = planner.profile
     nbytes = least_peak(planner) if budget == "least" else planner.budget_bytes(budget)
@@ -250,7 +250,7 @@ def device_budget(target: Target, device: str) -> DeviceMemory:
 def describe_plan(plan: Plan) -> str:
     """'2 recompute, 4 selective, 1 segment' (units not kept plainly)."""
     from gradckpt.engine.decisions import decision_kinds
-    from gradckpt.planning.plan import Segment, iter_units
+    from gradckpt.planning.plans.plan import Segment, iter_units
 
     units = list(iter_units(plan.items))
     kinds = [k for k in decision_kinds() if k != "keep"]  # registration order

@@ -2,7 +2,7 @@
 
 The step is always profiled under fake tensors (nothing is allocated; built-ins
 are built on the meta device) and the training step is folded in
-(:func:`gradckpt.planning.whole_step.with_training_step`). Printed: the peak in
+(:func:`gradckpt.planning.solving.whole_step.with_training_step`). Printed: the peak in
 parts (parameters and buffers, gradients, optimizer state, the optimizer step's
 temporaries, activations) and the phase that sets it, for the plain step and for
 the leanest checkpointing plan; the parameter-count formulas people use, next to
@@ -33,7 +33,7 @@ from gradckpt.cli.extras import CliError
 from gradckpt.cli.output import Out
 from gradckpt.cli.targets import resolve
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.whole_step import PHASE_OPTIMIZER
+from gradckpt.planning.solving.step_phases import PHASE_OPTIMIZER
 
 __all__ = ["Formula", "formulas", "run_estimate"]
 
@@ -145,9 +145,9 @@ def _state_note(optimizer: str, e: int) -> str | None:
 
 
 def run_estimate(args: argparse.Namespace, out: Out) -> int:
-    from gradckpt.planning.baselines import finish, none_plan
     from gradckpt.planning.planner import Planner
-    from gradckpt.planning.whole_step import with_training_step
+    from gradckpt.planning.solving.baselines import finish, none_plan
+    from gradckpt.planning.solving.whole_step import with_training_step
 
     blocks = [b.strip() for b in args.blocks.split(",") if b.strip()] if args.blocks else None
     with out.status(f"building {args.target} ..."):
@@ -213,8 +213,8 @@ def _budget_check(args, planner, plain, leanest, device, name: str) -> dict[str,
     if leanest.predicted_peak_bytes <= nbytes:
         plan = plan_for(planner, nbytes, "dp", name)
     else:
-        from gradckpt.planning.budget import BudgetError
-        from gradckpt.planning.whole_step import check_floor
+        from gradckpt.planning.solving.budget import BudgetError
+        from gradckpt.planning.solving.whole_step import check_floor
 
         try:
             check_floor(planner.profile, nbytes)

@@ -112,11 +112,11 @@ def _check_budget(args: argparse.Namespace) -> None:
 
 def _budget_bytes(args: argparse.Namespace, target: Any, optimizer: Any, out: Out) -> int:
     if args.budget != "auto":
-        from gradckpt.planning.budget import read_budget
+        from gradckpt.planning.solving.budget import read_budget
 
         return int(read_budget(args.budget)[1])
     from gradckpt.api_budget import resolve_budget
-    from gradckpt.planning.budget import BudgetError
+    from gradckpt.planning.solving.budget import BudgetError
 
     try:
         nbytes, device = resolve_budget(target.model, "auto", optimizer)
@@ -128,7 +128,7 @@ def _budget_bytes(args: argparse.Namespace, target: Any, optimizer: Any, out: Ou
 
 
 def run_tune(args: argparse.Namespace, out: Out) -> int:
-    from gradckpt.planning.budget import BudgetError
+    from gradckpt.planning.solving.budget import BudgetError
     from gradckpt.profiling.run import ProfileError
     from gradckpt.tuning import tune
 

@@ -46,8 +46,8 @@ from gradckpt.compiled.in_graph import compile as compile_planned
 from gradckpt.compiled.in_graph import uncompile
 from gradckpt.compiled.knapsack import SavedBytesSolver, saved_bytes_config
 from gradckpt.planning import Plan
-from gradckpt.planning.budget import BudgetError, parse_budget
-from gradckpt.planning.solvers import solve
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError, parse_budget
 from gradckpt.profiling import profile as make_profile
 from gradckpt.profiling.records import Profile, retimed
 

@@ -17,7 +17,7 @@ and :func:`hold_budget` *measures*: one compiled training step under
 :class:`~gradckpt.measure.AllocatorTracker`; over the budget, it plans again for
 a budget shrunk by the plan's miss (``budget * predicted / measured``),
 recompiles and measures again, a few tries at most. If none fits it raises
-:class:`~gradckpt.planning.budget.BudgetError` naming the least measured peak,
+:class:`~gradckpt.planning.solving.budget.BudgetError` naming the least measured peak,
 and the caller restores the model. The plan that holds records its measured
 peak (``Plan.measured_compiled_peak_bytes``). Plans made again are the
 planner's for the tighter budget (not measured for speed, as ``fit``'s first
@@ -44,10 +44,10 @@ from gradckpt.compiled.in_graph import compile as compile_planned
 from gradckpt.compiled.in_graph import restamp_compiled, uncompile
 from gradckpt.compiled.watch import unwatch
 from gradckpt.measure import AllocatorTracker, format_bytes, state_bytes
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.solvers import Solver
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.solvers import Solver
 from gradckpt.profiling.state import StepState
 
 __all__ = ["MAX_COMPILES", "compile_within_budget", "compiled_step_peak", "hold_budget"]

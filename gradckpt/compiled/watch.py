@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from gradckpt.planning.planset import shape_key
+from gradckpt.planning.plans.planset import shape_key
 
 __all__ = ["CompileStats", "compile_stats", "unwatch", "watch"]
 

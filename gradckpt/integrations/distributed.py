@@ -61,8 +61,8 @@ from gradckpt.api import plan as gradckpt_plan
 from gradckpt.api import profile as gradckpt_profile
 from gradckpt.apply.apply import apply
 from gradckpt.measure.memory import MemoryTracker
-from gradckpt.planning.plan import Plan
 from gradckpt.planning.planner import Planner
+from gradckpt.planning.plans.plan import Plan
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.units import find_blocks
 

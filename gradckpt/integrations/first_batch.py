@@ -39,8 +39,8 @@ from gradckpt.api import fit
 from gradckpt.api_budget import resident_bytes
 from gradckpt.integrations.steps_measured import StepsMeasurement
 from gradckpt.measure.memory import format_bytes, storage_sizes
-from gradckpt.planning.budget import BudgetError, check_budget, read_budget
-from gradckpt.planning.plan import Plan
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.solving.budget import BudgetError, check_budget, read_budget
 
 __all__ = [
     "MEASURED_STEPS",

@@ -12,14 +12,14 @@ ignores them picks plans that are slower than predicted.
 tiny ops (where the kernels cost almost nothing), as differences between a
 plain and a checkpointed step, on :func:`~gradckpt.measure.timing.work_clock`
 (thread CPU time on the CPU: robust to other processes). The planner adds
-them to its predicted time (:mod:`gradckpt.planning.costs`).
+them to its predicted time (:mod:`gradckpt.planning.simulation.costs`).
 
 Tiny chains miss what a real block pays per op (ops with weights, views and
 more arguments cost the dispatch modes more, and a real block's Python runs
 again in a recompute), so a profile also times one of the model's own blocks
 plain, as a region and as a selective region (:func:`time_unit_regions`); the
 planner takes its per-op costs from that unit when it has one
-(:func:`gradckpt.planning.costs.step_costs`).
+(:func:`gradckpt.planning.simulation.costs.step_costs`).
 """
 
 from __future__ import annotations

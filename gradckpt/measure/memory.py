@@ -32,7 +32,7 @@ def format_bytes(nbytes: int | None, *, round_up: bool = False, unit: str | None
 
     The one byte formatter of gradckpt: messages, tables and reports all use it.
     ``round_up=True`` rounds the two decimals up, so the text read back as a
-    budget (:func:`gradckpt.planning.budget.parse_budget`) is never below ``nbytes``.
+    budget (:func:`gradckpt.planning.solving.budget.parse_budget`) is never below ``nbytes``.
     ``unit`` ("KiB", "MiB", "GiB") fixes the unit, for columns that line up.
 
     Example:

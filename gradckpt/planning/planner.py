@@ -18,25 +18,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from gradckpt.planning.budget import parse_budget
-from gradckpt.planning.chain import ChainModel, build_chain
-from gradckpt.planning.costs import with_engine_costs
-from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.explain import Explanation, explain
-from gradckpt.planning.offload_cost import OffloadOptions
-from gradckpt.planning.plan import Plan
-from gradckpt.planning.simulate import Prediction
-from gradckpt.planning.solvers import (
+from gradckpt.planning.explaining.explain import Explanation, explain
+from gradckpt.planning.kinds.offload.solve import offload_candidates
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.simulation.simulate import Prediction
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import parse_budget
+from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.solvers import (
     Solver,
     check_plannable,
     finish,
     least_peak_plan,
     none_plan,
     schedule_plan,
-    solve,
     without_segments,
 )
-from gradckpt.planning.whole_step import check_floor
+from gradckpt.planning.solving.whole_step import check_floor
 from gradckpt.profiling.records import Profile
 
 __all__ = ["FrontierPoint", "Planner"]
@@ -167,8 +167,6 @@ class Planner:
             done, pred = finish(prof, candidate, None, "dp")
             seen[candidate.items] = FrontierPoint(pred.peak_bytes, pred.overhead, done)
         if self.offload is not None:
-            from gradckpt.planning.offload_solve import offload_candidates
-
             budgets = sorted({point.peak_bytes for point in seen.values()})
             for candidate in offload_candidates(prof, self.offload, budgets):
                 if candidate.items not in seen:
@@ -184,7 +182,7 @@ class Planner:
         self, budget: int | float | str | None = None, plan: Plan | None = None
     ) -> Explanation:
         """What the step keeps for backward under ``plan``, or the plan for ``budget``,
-        or (neither) the plain step; see :mod:`gradckpt.planning.explain`.
+        or (neither) the plain step; see :mod:`gradckpt.planning.explaining.explain`.
 
         Example:
             >>> print(planner.explain("2GiB").table())

@@ -173,7 +173,7 @@ class Profile:
     #: step's (parameters, gradients, state and the step's temporaries); 0: not counted.
     floor_bytes: int = 0
     #: The training step folded into this profile
-    #: (:func:`gradckpt.planning.whole_step.with_training_step`); None: forward and
+    #: (:func:`gradckpt.planning.solving.whole_step.with_training_step`); None: forward and
     #: backward of one micro-batch only.
     step: TrainingStep | None = None
     #: When block discovery found no repeated blocks: what it considered and how to name

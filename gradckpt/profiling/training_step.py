@@ -10,7 +10,7 @@ the parameters, the device holds
   from the start of every micro-batch after the first under gradient
   accumulation, and always under ``zero_grad(set_to_none=False)``.
 
-A :class:`TrainingStep` says which; :func:`gradckpt.planning.whole_step.with_training_step`
+A :class:`TrainingStep` says which; :func:`gradckpt.planning.solving.whole_step.with_training_step`
 folds it into a profile, so every plan is simulated, solved and checked for the whole step.
 
 Example:

@@ -8,7 +8,7 @@ block while it times the plain step, and afterwards times that block on them
 forward and backward plain, as a region and as a selective region
 (:func:`~gradckpt.measure.engine_costs.time_unit_regions`). The seconds go into
 the profile's :class:`~gradckpt.measure.engine_costs.EngineCosts`; the planner
-turns them into per-op costs (:func:`gradckpt.planning.costs.step_costs`).
+turns them into per-op costs (:func:`gradckpt.planning.simulation.costs.step_costs`).
 
 Like op times, a unit's times are kept for the process
 (:func:`gradckpt.profiling.calibration.settled_unit_times`): profiling the same

@@ -2,7 +2,7 @@
 
 For a micro-batch size ``b`` (``K = global_batch / b`` micro-batches per
 optimizer step) the step is profiled under fake tensors (exact sizes, no
-memory), the training step folded in (:mod:`gradckpt.planning.whole_step`)
+memory), the training step folded in (:mod:`gradckpt.planning.solving.whole_step`)
 and its op times replaced by real-derived ones (:mod:`gradckpt.tuning.timing`).
 Three strategies are planned on it: no checkpointing, every block recomputed
 whole (per-layer checkpointing, what ``gradient_checkpointing=True`` does) and
@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 from torch import nn
 
-from gradckpt.planning.budget import BudgetError
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import solve
-from gradckpt.planning.whole_step import with_training_step
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep

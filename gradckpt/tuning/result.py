@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.plan import Plan
+from gradckpt.planning.plans.plan import Plan
 
 __all__ = ["TuneCandidate", "TuneResult"]
 

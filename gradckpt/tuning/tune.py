@@ -39,9 +39,9 @@ from gradckpt.api_budget import (
     training_step,
 )
 from gradckpt.apply.select import pick_fastest
-from gradckpt.planning.budget import BudgetError, read_budget
-from gradckpt.planning.plan import Plan
-from gradckpt.planning.whole_step import with_training_step
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.solving.budget import BudgetError, read_budget
+from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep

@@ -7,7 +7,7 @@ import pytest
 import gradckpt
 from gradckpt.apply import frugal
 from gradckpt.measure import AllocatorTracker
-from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.testing import make
 
 

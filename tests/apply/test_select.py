@@ -13,7 +13,7 @@ from gradckpt.apply.select import (
     whole_unit_plan,
 )
 from gradckpt.planning import Plan
-from gradckpt.planning.plan import UnitChoice
+from gradckpt.planning.plans.plan import UnitChoice
 from gradckpt.testing import make
 
 

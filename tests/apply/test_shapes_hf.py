@@ -12,7 +12,7 @@ import torch
 
 import gradckpt
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.planning.planset import proves_monotone
+from gradckpt.planning.plans.planset import proves_monotone
 
 pytest.importorskip("transformers")
 from gradckpt.integrations.hf_zoo import hf_example

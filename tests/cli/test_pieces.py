@@ -13,7 +13,7 @@ from gradckpt.cli.common import budget_arg, budget_at_least
 from gradckpt.cli.extras import CliError, optional, require
 from gradckpt.cli.output import plain_table
 from gradckpt.cli.targets import BUILTINS, resolve
-from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.solving.budget import parse_budget
 
 from .conftest import ROOT
 
@@ -97,7 +97,7 @@ def test_hf_builtins_build_on_meta_when_fake():
 
 def test_import_gradckpt_stays_light():
     code = (
-        "import sys, gradckpt, gradckpt.cli, gradckpt.planning.explain; "
+        "import sys, gradckpt, gradckpt.cli, gradckpt.planning.explaining.explain; "
         "print(sorted(m for m in ('rich', 'matplotlib', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gradckpt
 from gradckpt.compiled.around_regions import compile_model, compiled_units
 from gradckpt.planning import Plan, Segment, UnitChoice
-from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.planning.solving.solvers import save_matmuls_plan
 from gradckpt.profiling import model_fingerprint
 from gradckpt.testing import make
 

@@ -17,7 +17,7 @@ import torch
 
 from gradckpt.compiled.budget import choose, fit_compiled, measure_points
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.testing import make
 
 pytest.importorskip("torch._dynamo")
@@ -115,8 +115,8 @@ def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch
 def test_fused_profile_makes_ops_without_flops_free_and_keeps_the_rest():
     import gradckpt
     from gradckpt.compiled.budget import fused_profile
-    from gradckpt.planning.simulate import simulate
-    from gradckpt.planning.solvers import none_plan
+    from gradckpt.planning.simulation.simulate import simulate
+    from gradckpt.planning.solving.solvers import none_plan
 
     ex = make("gpt", **GPT)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)

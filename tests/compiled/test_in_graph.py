@@ -16,7 +16,7 @@ import torch
 import gradckpt
 from gradckpt.compiled.in_graph import compiled_plan, uncompile
 from gradckpt.planning import Plan, Segment, UnitChoice
-from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.planning.solving.solvers import save_matmuls_plan
 from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import make
 

@@ -26,7 +26,7 @@ from gradckpt.integrations.first_batch import torch_optimizer
 from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.planning.plan import Segment
+from gradckpt.planning.plans.plan import Segment
 
 from .conftest import TokenData
 

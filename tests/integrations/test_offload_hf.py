@@ -16,7 +16,7 @@ from gradckpt.apply.apply import applied_units
 from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.integrations.hf_zoo import hf_example, run_step
 from gradckpt.planning import Plan, UnitChoice, simulate
-from gradckpt.planning.offload_cost import OffloadOptions
+from gradckpt.planning.plans.offload_options import OffloadOptions
 
 OPTIONS = OffloadOptions(min_bytes=1024)
 

@@ -20,7 +20,7 @@ import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import run_step
 from gradckpt.integrations.peft_zoo import adapter_names, lora_example
-from gradckpt.planning.plan import iter_units
+from gradckpt.planning.plans.plan import iter_units
 
 BUDGET = 0.8
 

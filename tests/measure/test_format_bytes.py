@@ -3,7 +3,7 @@
 import pytest
 
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.solving.budget import parse_budget
 
 
 def test_format_bytes_uses_the_largest_unit():

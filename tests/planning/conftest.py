@@ -74,7 +74,7 @@ def zoo() -> Zoo:
 
 def frontier_budgets(prof: Profile) -> list[int]:
     """Budgets across a profile's frontier: the least peak, the plain one, every block's, between."""
-    from gradckpt.planning.solvers import every_kth_plan, finish, least_peak_plan
+    from gradckpt.planning.solving.solvers import every_kth_plan, finish, least_peak_plan
 
     _, least = least_peak_plan(prof)
     plain = prof.measured_peak_bytes
@@ -90,8 +90,9 @@ def frontier_budgets(prof: Profile) -> list[int]:
 
 def assert_dp_not_slower_than_baselines(name: str, prof: Profile) -> None:
     """At every frontier budget, the DP's plan is predicted no slower than any baseline that fits."""
-    from gradckpt.planning.budget import BudgetError
-    from gradckpt.planning.solvers import SOLVERS, solve
+    from gradckpt.planning.solve import solve
+    from gradckpt.planning.solving.budget import BudgetError
+    from gradckpt.planning.solving.solvers import SOLVERS
 
     for budget in frontier_budgets(prof):
         dp = solve(prof, budget, "dp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradckpt.measure import device_memory
-from gradckpt.planning.budget import check_budget, parse_budget, read_budget
+from gradckpt.planning.solving.budget import check_budget, parse_budget, read_budget
 
 
 @pytest.mark.parametrize("text", ["auto", "AUTO", " Auto ", "device", "Device\n", " DEVICE"])

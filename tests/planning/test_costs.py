@@ -14,14 +14,9 @@ from gradckpt.engine import modes
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.timing import low_estimate
 from gradckpt.planning import Plan, UnitChoice, simulate
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.costs import (
-    EngineCounts,
-    engine_seconds,
-    step_costs,
-    unit_counts,
-    with_engine_costs,
-)
+from gradckpt.planning.handlers.engine_counts import EngineCounts
+from gradckpt.planning.simulation.costs import engine_seconds, step_costs, unit_counts
+from gradckpt.planning.solving.chain import build_chain, with_engine_costs
 from gradckpt.profiling import profile
 from gradckpt.testing import make
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from gradckpt.measure.engine_costs import EngineCosts
-from gradckpt.planning.costs import region_counts, steady, step_costs
+from gradckpt.planning.simulation.costs import region_counts, steady, step_costs
 
 
 def test_steady_puts_costs_on_a_grid_an_eighth_of_an_octave_apart():

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import none_plan, solve
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.solvers import none_plan
 
 
 def test_a_custom_solver_is_predicted_and_checked_like_the_built_in_ones(zoo):

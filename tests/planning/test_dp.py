@@ -3,7 +3,7 @@
 Chains are drawn with requirements in fine units (``scale`` of them per grid
 unit, so the per-cell rounding is exercised), gradients left behind by each
 stage, and stages drawn from a small pool so that runs of identical stages
-occur and the shared cells of :mod:`gradckpt.planning.dp_cells` are exercised.
+occur and the shared cells of :mod:`gradckpt.planning.solving.dp_cells` are exercised.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradckpt.planning.brute import ReferenceDP, all_schedules, brute_force, evaluate
-from gradckpt.planning.dp import NESTED, TOP, Chain, ChainDP, Option, SegmentStep, Stage, UnitStep
+from gradckpt.planning.solving.brute import ReferenceDP, all_schedules, brute_force, evaluate
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.dp_chain import (
+    NESTED,
+    TOP,
+    Chain,
+    Option,
+    SegmentStep,
+    Stage,
+    UnitStep,
+)
 
 sizes = st.integers(min_value=0, max_value=6)
 times = st.integers(min_value=1, max_value=20).map(float)

@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from gradckpt.planning.brute import ReferenceDP, evaluate
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.solvers import least_peak_plan, solve_dp
+from gradckpt.planning.solving.brute import ReferenceDP, evaluate
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.chain import build_chain
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.solvers import least_peak_plan, solve_dp
 
 from .conftest import ZOO_NAMES
 

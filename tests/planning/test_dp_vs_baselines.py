@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.costs import with_engine_costs
-from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.solvers import without_segments
-from gradckpt.planning.whole_unit import chain_need, chain_time
+from gradckpt.planning.solving.chain import build_chain, with_engine_costs
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.solvers import without_segments
+from gradckpt.planning.solving.whole_unit import chain_need, chain_time
 from gradckpt.testing import make
 
 from .conftest import assert_dp_not_slower_than_baselines

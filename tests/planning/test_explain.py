@@ -19,8 +19,8 @@ from torch import nn
 import gradckpt
 from gradckpt import explain
 from gradckpt.measure import MemoryTracker
-from gradckpt.planning.explain import STATUSES, Explanation
-from gradckpt.planning.solvers import every_kth_plan, finish, save_matmuls_plan, sqrt_plan
+from gradckpt.planning.explaining.explain import STATUSES, Explanation
+from gradckpt.planning.solving.solvers import every_kth_plan, finish, save_matmuls_plan, sqrt_plan
 from gradckpt.testing import make
 
 SIZES = {

@@ -7,12 +7,13 @@ import pytest
 import gradckpt
 from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning import Plan, UnitChoice
-from gradckpt.planning.chain import _lookup, build_chain
-from gradckpt.planning.handlers import handler_for
+from gradckpt.planning.handlers.lookup import build_lookup
+from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.kinds.keep import KeepHandler
-from gradckpt.planning.kinds.offload import OFFLOAD
-from gradckpt.planning.offload_cost import OffloadOptions
-from gradckpt.planning.offload_sim import moved_storages, stage_stall
+from gradckpt.planning.kinds.offload.handler import OFFLOAD
+from gradckpt.planning.kinds.offload.sim import moved_storages, stage_stall
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.solving.chain import build_chain
 from gradckpt.profiling.records import NEVER
 
 OPTIONS = OffloadOptions(min_bytes=1024, d2h_bandwidth=1e9, h2d_bandwidth=2e9)
@@ -28,8 +29,8 @@ def gpt(zoo):
 def test_offered_to_blocks_only_and_only_with_offload_options(gpt):
     prof, units = gpt
     handler = handler_for(OFFLOAD)
-    plain_look = _lookup(prof, units)
-    look = _lookup(prof, units, {gradckpt.Offload: OPTIONS})
+    plain_look = build_lookup(prof, units)
+    look = build_lookup(prof, units, {gradckpt.Offload: OPTIONS})
     for u in units:
         assert handler.stage_options(prof, u, plain_look) == []
         assert handler.stage_options(prof, u, look) == ([OFFLOAD] if u.is_block else [])
@@ -37,7 +38,7 @@ def test_offered_to_blocks_only_and_only_with_offload_options(gpt):
 
 def test_holds_what_keep_holds_less_what_it_moves(gpt):
     prof, units = gpt
-    look = _lookup(prof, units, {gradckpt.Offload: OPTIONS})
+    look = build_lookup(prof, units, {gradckpt.Offload: OPTIONS})
     block = next(u for u in units if u.is_block)
     keep = KeepHandler().kept_storages(prof, block, gradckpt.Keep(), look)
     held = handler_for(OFFLOAD).kept_storages(prof, block, OFFLOAD, look)

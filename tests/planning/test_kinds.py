@@ -19,9 +19,9 @@ from gradckpt.engine import in_region_forward
 from gradckpt.engine.decisions import Decision, decision_kind, forget_decision_kind
 from gradckpt.measure import count_flops
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.handlers import forget, handler_for, handlers, register
+from gradckpt.planning.handlers.registry import forget, handler_for, handlers, register
 from gradckpt.planning.kinds.recompute import RecomputeHandler
+from gradckpt.planning.solving.chain import build_chain
 from gradckpt.profiling.records import UnitRecord
 
 from .conftest import assert_same_step, run_step

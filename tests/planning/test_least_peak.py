@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 import gradckpt
-from gradckpt.planning.budget import BudgetError, parse_budget
-from gradckpt.planning.solvers import finish, none_plan, solve
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError, parse_budget
+from gradckpt.planning.solving.solvers import finish, none_plan
 
 from .conftest import ZOO_NAMES
 

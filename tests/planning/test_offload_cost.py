@@ -8,17 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradckpt.planning.offload_cost import (
+from gradckpt.planning.kinds.offload.cost import (
     Compute,
     Issue,
-    OffloadOptions,
     Wait,
     exposed_seconds,
-    offload_options,
     run_timeline,
     transfer_seconds,
     unit_stall,
 )
+from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
 
 # ------------------------------------------------------------------ transfers
 

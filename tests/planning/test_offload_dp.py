@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradckpt.planning.brute import all_schedules, brute_force, evaluate
-from gradckpt.planning.dp import Chain, ChainDP, Option, Stage, UnitStep
-from gradckpt.planning.offload_solve import host_bytes_of, solve_chain_priced
+from gradckpt.planning.kinds.offload.solve import host_bytes_of, solve_chain_priced
+from gradckpt.planning.solving.brute import all_schedules, brute_force, evaluate
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.dp_chain import Chain, Option, Stage, UnitStep
 from gradckpt.profiling.records import NEVER
 
 

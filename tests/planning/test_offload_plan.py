@@ -14,10 +14,10 @@ import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning import Plan, UnitChoice, simulate
-from gradckpt.planning.offload_cost import OffloadOptions
-from gradckpt.planning.offload_sim import offload_effect
-from gradckpt.planning.offload_solve import solve_offload
-from gradckpt.planning.solvers import least_peak_plan, solve_dp
+from gradckpt.planning.kinds.offload.sim import offload_effect
+from gradckpt.planning.kinds.offload.solve import solve_offload
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.solving.solvers import least_peak_plan, solve_dp
 
 from .conftest import ZOO_NAMES, assert_same_step, run_step
 

@@ -8,7 +8,7 @@ import pytest
 
 import gradckpt
 from gradckpt.planning import Plan, Segment, UnitChoice
-from gradckpt.planning.budget import parse_budget
+from gradckpt.planning.solving.budget import parse_budget
 
 
 def _plan() -> Plan:

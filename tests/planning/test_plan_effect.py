@@ -8,10 +8,10 @@ import pytest
 
 from gradckpt.engine.decisions import KEEP, Decision, decision_kind, forget_decision_kind
 from gradckpt.planning import Plan, UnitChoice, simulate
-from gradckpt.planning.effects import Buffer, StepEffect, combined
-from gradckpt.planning.handlers import forget, register
+from gradckpt.planning.handlers.effects import Buffer, StepEffect, combined
+from gradckpt.planning.handlers.registry import forget, register
 from gradckpt.planning.kinds.keep import KeepHandler
-from gradckpt.planning.simulate import live_trace
+from gradckpt.planning.simulation.simulate import live_trace
 from gradckpt.profiling.records import NEVER
 
 BUFFER_BYTES = 3 << 20  # more than anything the zoo's MLP holds, so it shows in the peak

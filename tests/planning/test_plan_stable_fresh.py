@@ -13,7 +13,7 @@ import torch
 
 import gradckpt
 from gradckpt.cli.demo import DEMO_SIZES, LR
-from gradckpt.planning.plan import Segment
+from gradckpt.planning.plans.plan import Segment
 from gradckpt.profiling import calibration
 from gradckpt.testing import make
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.planning import chain as chain_module
-from gradckpt.planning import dp as dp_module
 from gradckpt.planning import planner as planner_module
-from gradckpt.planning import solvers as solvers_module
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.plan import Segment
 from gradckpt.planning.planner import Planner
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import solve
+from gradckpt.planning.plans.plan import Segment
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving import chain as chain_module
+from gradckpt.planning.solving import dp as dp_module
+from gradckpt.planning.solving import solvers as solvers_module
+from gradckpt.planning.solving.budget import BudgetError
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import gradckpt
 from gradckpt.planning import Plan, UnitChoice
-from gradckpt.planning.planset import PlanSet, ShapeKey, load_plans, shape_key
+from gradckpt.planning.plans.planset import PlanSet, ShapeKey, load_plans, shape_key
 from gradckpt.testing import mlp
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.planning.planset import shape_key
-from gradckpt.planning.rescale import fit_length_scaling
+from gradckpt.planning.plans.planset import shape_key
+from gradckpt.planning.solving.rescale import fit_length_scaling
 from gradckpt.replan import length_of
 
 pytest.importorskip("transformers")

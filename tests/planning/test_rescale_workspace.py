@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import gradckpt
-from gradckpt.planning.rescale import with_measured_workspace
+from gradckpt.planning.solving.rescale import with_measured_workspace
 from gradckpt.testing import make
 
 

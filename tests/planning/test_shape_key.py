@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradckpt.planning.planset import ShapeKey, shape_key
+from gradckpt.planning.plans.planset import ShapeKey, shape_key
 
 
 @dataclass

@@ -7,7 +7,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt.planning import Plan
-from gradckpt.planning.explain import explain
+from gradckpt.planning.explaining.explain import explain
 from gradckpt.testing import ResidualMLPBlock
 
 

@@ -8,7 +8,7 @@ import torch
 import gradckpt
 from gradckpt.measure import count_flops
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
-from gradckpt.planning.solvers import save_matmuls_plan
+from gradckpt.planning.solving.solvers import save_matmuls_plan
 
 from .conftest import ZOO_NAMES, assert_same_step, run_step
 
@@ -118,7 +118,7 @@ def test_cuda_profile_counts_each_storage_as_a_512_byte_rounded_block():
     from dataclasses import replace
 
     from gradckpt.measure.allocator import allocator_block_bytes
-    from gradckpt.planning.solvers import none_plan
+    from gradckpt.planning.solving.solvers import none_plan
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     x = torch.randn(7, 3)  # 7x5 floats = 140 B: far from a multiple of 512

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.dp import ChainDP
-from gradckpt.planning.solvers import (
+from gradckpt.planning.solve import solve
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.chain import build_chain
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.solvers import (
     every_kth_plan,
     finish,
     least_peak_plan,
-    solve,
 )
 
 from .conftest import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.planning.chain import build_chain
-from gradckpt.planning.dp import ChainDP
+from gradckpt.planning.solving.chain import build_chain
+from gradckpt.planning.solving.dp import ChainDP
 from gradckpt.testing import make
 
 _SIZES = {

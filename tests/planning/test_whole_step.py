@@ -7,9 +7,10 @@ import torch
 
 import gradckpt
 from gradckpt.measure import optimizer_memory
-from gradckpt.planning.baselines import none_plan
-from gradckpt.planning.budget import BudgetError
-from gradckpt.planning.whole_step import optimizer_phase_bytes, step_parts, with_training_step
+from gradckpt.planning.solving.baselines import none_plan
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.step_phases import step_parts
+from gradckpt.planning.solving.whole_step import optimizer_phase_bytes, with_training_step
 from gradckpt.profiling.records import NEVER, Profile
 from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.testing import make

@@ -18,7 +18,7 @@ import torch
 
 import gradckpt
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.planning.solvers import least_peak_plan
+from gradckpt.planning.solving.solvers import least_peak_plan
 
 tf = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gradckpt.measure import AllocatorTracker
-from gradckpt.planning.simulate import simulate
-from gradckpt.planning.solvers import none_plan
+from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.solvers import none_plan
 from gradckpt.profiling import Profile, profile
 from gradckpt.testing import make
 

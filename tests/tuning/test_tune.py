@@ -7,7 +7,7 @@ import torch
 
 import gradckpt
 from gradckpt.measure import AllocatorTracker, state_bytes
-from gradckpt.planning.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.testing import make
 from gradckpt.testing.gpts import _next_token_loss
 from gradckpt.tuning import TuneResult, sliced_loss, tune

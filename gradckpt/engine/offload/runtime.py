@@ -1,7 +1,7 @@
 """The runtime side of ``Offload`` units: one offload session per applied model.
 
 ``apply`` gives every offloaded unit's spec the same :class:`OffloadRuntime`
-(made by the offload kind's handler, :mod:`gradckpt.planning.kinds.offload`);
+(made by the offload kind's handler, :mod:`gradckpt.planning.kinds.offload.handler`);
 its session (made at the first call, for the device the unit's tensors are on)
 orders the copies of all of them: the one-deep forward stash and the prefetch
 run across units. On CPU the backend is the host copy (exact, no overlap); on

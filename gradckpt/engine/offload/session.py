@@ -14,7 +14,7 @@ unit call:
   tensor) is saved by reference: something outside the unit holds it, so a
   copy out frees nothing and the copy back would be a second device copy the
   planner never counted (it moves only storages whose producer is inside the
-  unit, :func:`gradckpt.planning.offload_sim.moved_storages`). Which storages
+  unit, :func:`gradckpt.planning.kinds.offload.sim.moved_storages`). Which storages
   the forward created is seen by :class:`CreatedStorages`, a dispatch mode
   over the unit's forward;
 * **close** (end of the unit's forward): storages that are part of the unit's

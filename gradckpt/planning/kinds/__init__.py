@@ -1,9 +1,13 @@
 """The decision kinds, one module each: what each does in the planner and at run time.
 
-Each module defines one :class:`~gradckpt.planning.handlers.KindHandler` and
-registers it; importing this package loads them all (the registry does so on
-its first lookup). The order here is the order of a unit's options in the DP:
-keep first, recompute second, then the rest.
+Each module defines one :class:`~gradckpt.planning.handlers.registry.KindHandler`
+and registers it; :mod:`gradckpt.planning` imports this package, so the
+built-in kinds are registered before anything asks the registry. The kinds sit
+above the simulator and the solvers they plug into (those reach them only
+through the registry), so a kind's module, and its own planning parts (as
+``offload/`` has: its cost model, simulated effect and solver), may import
+any of them. The order here is the order of a unit's options in the DP: keep
+first, recompute second, then the rest.
 
 Adding a kind: its Decision dataclass (registered with
 :func:`~gradckpt.engine.decisions.decision_kind`, so plan files can name it),
@@ -15,7 +19,7 @@ one module here with its handler, one import line below, and its tests.
 # calibration runs one all-offload plan.
 from gradckpt.planning.kinds import keep  # noqa: F401, I001
 from gradckpt.planning.kinds import recompute  # noqa: F401
-from gradckpt.planning.kinds import offload  # noqa: F401
+from gradckpt.planning.kinds.offload import handler  # noqa: F401
 from gradckpt.planning.kinds import selective  # noqa: F401
 
 __all__: list[str] = []

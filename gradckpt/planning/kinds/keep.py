@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradckpt.engine.decisions import KEEP, Decision, Keep
-from gradckpt.planning.chain import _Lookup
-from gradckpt.planning.handlers import KindHandler, register
+from gradckpt.planning.handlers.lookup import Lookup
+from gradckpt.planning.handlers.registry import KindHandler, register
 from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = ["KeepHandler"]
@@ -17,11 +17,11 @@ class KeepHandler(KindHandler):
 
     decision = Keep
 
-    def stage_options(self, profile: Profile, unit: UnitRecord, look: _Lookup) -> list[Decision]:
+    def stage_options(self, profile: Profile, unit: UnitRecord, look: Lookup) -> list[Decision]:
         return [KEEP]
 
     def kept_storages(
-        self, profile: Profile, unit: UnitRecord, decision: Decision, look: _Lookup
+        self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup
     ) -> set[int]:
         inside = range(unit.first_op, unit.end_op)
         return {

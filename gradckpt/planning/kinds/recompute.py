@@ -6,10 +6,11 @@ from typing import Any
 
 from gradckpt.engine.checkpoint import run_checkpointed
 from gradckpt.engine.decisions import RECOMPUTE, Decision, Recompute
-from gradckpt.planning.chain import _Lookup, _stop
-from gradckpt.planning.costs import EngineCounts, region_counts
-from gradckpt.planning.handlers import KindHandler, register
-from gradckpt.planning.regions import Region
+from gradckpt.planning.handlers.engine_counts import EngineCounts
+from gradckpt.planning.handlers.lookup import Lookup, recompute_end
+from gradckpt.planning.handlers.region import Region
+from gradckpt.planning.handlers.registry import KindHandler, register
+from gradckpt.planning.simulation.costs import region_counts
 from gradckpt.profiling.records import Profile, UnitRecord
 
 __all__ = ["RecomputeHandler"]
@@ -31,19 +32,19 @@ class RecomputeHandler(KindHandler):
         """Global indexes of the unit's ops whose outputs the region keeps (not rerun)."""
         return frozenset()
 
-    def stage_options(self, profile: Profile, unit: UnitRecord, look: _Lookup) -> list[Decision]:
+    def stage_options(self, profile: Profile, unit: UnitRecord, look: Lookup) -> list[Decision]:
         return [RECOMPUTE]
 
     def kept_storages(
-        self, profile: Profile, unit: UnitRecord, decision: Decision, look: _Lookup
+        self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup
     ) -> set[int]:
         return {s for i in self.kept_ops(unit, decision) for s in profile.ops[i].outputs}
 
     def recompute_seconds(
-        self, profile: Profile, unit: UnitRecord, decision: Decision, look: _Lookup
+        self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup
     ) -> float:
         cached = self.kept_ops(unit, decision)
-        stop = _stop(profile, unit, look)
+        stop = recompute_end(profile, unit, look)
         return sum(op.time for op in profile.ops[unit.first_op : stop] if op.index not in cached)
 
     def engine_counts(self, profile: Profile, unit: UnitRecord, decision: Decision) -> EngineCounts:

@@ -2,7 +2,7 @@
 
 The DP's selective options are the unit's candidate save sets (matmul outputs,
 and the cheapest bytes that remove 25/50/75% of its recompute time, see
-:func:`gradckpt.planning.chain.candidate_sets`). At run time the region's policy
+:func:`candidate_sets`, here: the kind's planning part). At run time the region's policy
 keeps the planned op positions and checks that the op there is the planned one.
 """
 
@@ -12,12 +12,51 @@ import warnings
 from typing import Any
 
 from gradckpt.engine.decisions import RECOMPUTE, SAVE, Decision, PolicyContext, Selective
-from gradckpt.planning.chain import _Lookup, candidate_sets
-from gradckpt.planning.handlers import register
+from gradckpt.planning.handlers.lookup import Lookup, recompute_end
+from gradckpt.planning.handlers.registry import register
 from gradckpt.planning.kinds.recompute import RecomputeHandler
+from gradckpt.policies import MATMUL_OPS
 from gradckpt.profiling.records import Profile, UnitRecord
 
-__all__ = ["PlanPolicy", "SelectiveHandler"]
+__all__ = ["PlanPolicy", "SelectiveHandler", "candidate_sets"]
+
+_MATMUL_NAMES = {str(op) for op in MATMUL_OPS}
+_TIME_SHARES = (0.25, 0.5, 0.75)
+
+
+def candidate_sets(
+    profile: Profile, unit: UnitRecord, look: Lookup | None = None
+) -> list[Selective]:
+    """Selective save sets for a block: matmul outputs, and the cheapest bytes that
+    remove 25/50/75% of its recompute time (ops by time per byte, best first)."""
+    stop = recompute_end(profile, unit, look)
+    eligible = []
+    for op in profile.ops[unit.first_op : stop]:
+        if not op.outputs or op.time <= 0:
+            continue
+        storages = [profile.storages[s] for s in op.outputs]
+        if any(s.mutated for s in storages):
+            continue  # changed in place later: a kept copy would be stale
+        eligible.append((op, sum(s.nbytes for s in storages)))
+    if not eligible:
+        return []
+    sets: list[tuple[int, ...]] = []
+    matmuls = tuple(op.local for op, _ in eligible if op.name in _MATMUL_NAMES)
+    if matmuls:
+        sets.append(matmuls)
+    ranked = sorted(eligible, key=lambda e: e[0].time / max(e[1], 1), reverse=True)
+    total = sum(op.time for op, _ in eligible)
+    for share in _TIME_SHARES:
+        chosen, acc = [], 0.0
+        for op, _ in ranked:
+            if acc >= share * total:
+                break
+            chosen.append(op.local)
+            acc += op.time
+        sets.append(tuple(sorted(chosen)))
+    unique = list(dict.fromkeys(s for s in sets if s))
+    ops = profile.unit_ops(unit)
+    return [Selective(s, tuple(ops[i].name for i in s)) for s in unique]
 
 
 class PlanPolicy:
@@ -60,7 +99,7 @@ class SelectiveHandler(RecomputeHandler):
         assert isinstance(decision, Selective)
         return frozenset(unit.first_op + i for i in decision.save)
 
-    def stage_options(self, profile: Profile, unit: UnitRecord, look: _Lookup) -> list[Decision]:
+    def stage_options(self, profile: Profile, unit: UnitRecord, look: Lookup) -> list[Decision]:
         return candidate_sets(profile, unit, look) if unit.is_block else []
 
     def option_name(self, decision: Decision, index: int) -> str:

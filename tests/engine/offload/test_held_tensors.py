@@ -20,7 +20,7 @@ from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.engine.offload.store import HostCopyBackend
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan, UnitChoice, simulate
-from gradckpt.planning.offload_cost import OffloadOptions
+from gradckpt.planning.plans.offload_options import OffloadOptions
 
 ROWS, WIDTH = 256, 64
 SCALE = torch.rand(ROWS, WIDTH, generator=torch.Generator().manual_seed(5)) + 0.5  # a global

@@ -1,0 +1,34 @@
+"""How many engine events one step of a plan has: what a kind's units count.
+
+A kind's handler counts its unit's events
+(:meth:`KindHandler.engine_counts <gradckpt.planning.handlers.registry.KindHandler.engine_counts>`);
+the cost model (:mod:`gradckpt.planning.simulation.costs`) prices them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineCounts"]
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """How many times each engine event happens in one step of a plan.
+
+    Example:
+        >>> engine_seconds(EngineCounts(regions=2, recompute_ops=40), costs)
+    """
+
+    regions: int = 0
+    recompute_ops: int = 0
+    policy_ops: int = 0
+    saved_tensors: int = 0
+
+    def __add__(self, other: EngineCounts) -> EngineCounts:
+        return EngineCounts(
+            self.regions + other.regions,
+            self.recompute_ops + other.recompute_ops,
+            self.policy_ops + other.policy_ops,
+            self.saved_tensors + other.saved_tensors,
+        )

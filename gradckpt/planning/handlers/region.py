@@ -1,0 +1,25 @@
+"""A checkpointed region in profile terms: what a kind's handler opens for its unit.
+
+The simulator's regions (:func:`gradckpt.planning.simulation.regions.regions_of`)
+are trees of these; a kind that opens a region returns one from
+:meth:`KindHandler.region <gradckpt.planning.handlers.registry.KindHandler.region>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Region"]
+
+
+@dataclass
+class Region:
+    """A checkpointed region in profile terms (units by index, ops by global index)."""
+
+    units: list[int]
+    first_op: int
+    end_op: int
+    save: frozenset[int] = frozenset()
+    inputs: frozenset[int] = frozenset()
+    children: list[Region] = field(default_factory=list)
+    packs: list[int] = field(default_factory=list)  # all packs in this region's span

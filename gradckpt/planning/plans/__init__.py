@@ -1,0 +1,8 @@
+"""The plan as data: its items and decisions, its file format, its summary, plan sets.
+
+:mod:`.plan` (``Plan``, ``UnitChoice``, ``Segment``), :mod:`.errors` (what a
+malformed plan file is told), :mod:`.offload_options` and :mod:`.step_parts`
+(parts a plan carries), :mod:`.planset` (plans keyed by input shape). Below
+the simulator and the solvers; above only the kind registry
+(:mod:`gradckpt.planning.handlers`), which the summary asks how a decision reads.
+"""

@@ -1,0 +1,100 @@
+"""The reference solver: a chain dynamic program over units (in the spirit of rotor).
+
+The model is a chain of stages 0..L-1; stage ``l`` reads ``x[l-1]`` (``input``
+units) and writes ``x[l]``. ``Opt(ctx, m, a, b)`` is the least time to run the
+forward and then the backward of stages a..b when ``x[a-1]`` is already held
+and at most ``m`` more memory units are free. Its first item is either
+
+1. stage ``a`` alone, in one of its options (keep everything, recompute, or a
+   selective save set): it needs ``need(a, b)`` during its forward and
+   backward, and holds ``kept`` plus its output while the rest runs::
+
+       time(a, c) + Opt(ctx, m - kept(a, c) - input(a+1), a+1, b)
+
+2. a segment ``a..j-1`` run once keeping nothing, whose output is held while
+   the rest runs, and which is recomputed in backward by its own schedule::
+
+       sum(fwd_time[a..j-1]) + Opt(ctx, m - input(j), j, b)
+                             + Opt(NESTED, m - grads(j..b), a, j-1)
+
+``ctx`` is TOP for the step's own forward and NESTED inside a recompute (which
+runs during backward, where gradients and the incoming gradient are live).
+
+Requirements are given in fine units (bytes for real chains) and rounded up to
+grid units per cell. What a stage's backward leaves behind (its parameters'
+gradients, ``Stage.grad``) is not baked into each stage: a stage's requirement
+in cell ``a..b`` adds the gradients of ``a+1..b`` only, and a nested cell is
+shifted by the gradients of the stages after it. That makes a cell's table
+depend on its own stages alone, so the cells of a run of identical blocks that
+have the same length are one table, computed once (see :mod:`dp_cells`): a
+transformer of N layers costs O(N^2) vectors instead of O(N^3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradckpt.planning.solving.dp_cells import CellTables
+from gradckpt.planning.solving.dp_chain import (
+    _SEGMENT,
+    NESTED,
+    TOP,
+    Chain,
+    SegmentStep,
+    Tree,
+    UnitStep,
+)
+
+__all__ = ["ChainDP"]
+
+
+class ChainDP:
+    """Fill the tables once; then :meth:`schedule` for any budget in grid units.
+
+    Example:
+        >>> dp = ChainDP(chain)
+        >>> dp.best_time(100), dp.schedule(100)
+    """
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self.n, self.size = len(chain.stages), chain.capacity + 1
+        self._cells = CellTables(chain)
+
+    # ---------------------------------------------------------------- queries
+
+    def best_time(self, m: int) -> float:
+        """Least total time within ``m`` units (inf if nothing fits)."""
+        if m < 0:
+            return math.inf
+        return float(self._cells.top_time[0, min(m, self.size - 1)])
+
+    def least_feasible(self) -> int | None:
+        """The smallest ``m`` for which some schedule fits, or None."""
+        feasible = torch.isfinite(self._cells.top_time[0]).nonzero()
+        return int(feasible[0]) if len(feasible) else None
+
+    def schedule(self, m: int) -> Tree:
+        """The optimal schedule within ``m`` units (ValueError if none fits)."""
+        m = min(m, self.size - 1)
+        if not math.isfinite(self.best_time(m)):
+            raise ValueError(f"no schedule fits in {m} units")
+        return self._tree(TOP, m, 0, self.n - 1)
+
+    def _tree(self, ctx: int, m: int, a: int, b: int) -> Tree:
+        code = self._cells.choice(ctx, a, b, m)
+        stages = self.chain.stages
+        if code < 0:
+            raise AssertionError(f"internal: no choice recorded for stages {a}..{b} at {m}")
+        if code < _SEGMENT:
+            item = UnitStep(a, code)
+            if a == b:
+                return [item]
+            kept = stages[a].options[code].kept + stages[a + 1].input
+            return [item, *self._tree(ctx, m - kept, a + 1, b)]
+        j = a + code - _SEGMENT
+        inner = min(m - self._cells.grad_shift(j, b), self.size - 1)
+        left = self._tree(NESTED, inner, a, j - 1)
+        return [SegmentStep(left), *self._tree(ctx, m - stages[j].input, j, b)]

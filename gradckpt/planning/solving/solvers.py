@@ -1,0 +1,287 @@
+"""Solvers: ``(profile, budget_bytes) -> Plan``, all judged by the same simulator.
+
+``dp`` is the reference (the chain dynamic program of :mod:`gradckpt.planning.solving.dp`).
+The baselines (:mod:`gradckpt.planning.solving.baselines`) are the schemes frameworks
+make users pick by hand: ``none``, ``every_block``, ``every_kth`` (the largest k
+that fits), ``sqrt`` (Chen et al.'s sqrt(N) segments) and ``save_matmuls``
+(selective checkpointing of every block). Each returns a plan with its
+predictions filled in, or raises :class:`BudgetError` when its scheme does not fit.
+Every plan leaves through :func:`gradckpt.planning.solve.solve` (above the
+decision kinds, so that it can hand an offload link to the offload kind's solver).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.plans.plan import Item, Plan, Segment, UnitChoice
+from gradckpt.planning.simulation.simulate import Prediction, simulate
+from gradckpt.planning.solving.baselines import (
+    every_kth_plan,
+    finish,
+    fit,
+    largest_every_kth,
+    none_plan,
+    plannable_units,
+    save_matmuls_plan,
+    sqrt_plan,
+)
+from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.dp_chain import Tree, UnitStep
+from gradckpt.planning.solving.polish import polish, repair
+from gradckpt.planning.solving.whole_unit import faster_baseline
+from gradckpt.profiling.fake import SPEEDS, estimate_time
+from gradckpt.profiling.records import Profile
+
+__all__ = [
+    "SOLVERS",
+    "Solver",
+    "check_plannable",
+    "every_kth_plan",
+    "finish",
+    "least_peak_plan",
+    "none_plan",
+    "save_matmuls_plan",
+    "schedule_plan",
+    "solve_dp",
+    "sqrt_plan",
+    "without_segments",
+]
+
+Solver = Callable[[Profile, int], Plan]
+# Budgets (as shares off the real one) at which the DP is asked, largest first:
+# its model is exact for uniform plans only, so its answer slightly above the
+# budget may still fit on the simulator, and one slightly below may be needed.
+_RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+
+def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
+    items: list[Item] = []
+    for node in tree:
+        if isinstance(node, UnitStep):
+            items.append(
+                UnitChoice(model.units[node.stage].path, model.options[node.stage][node.option])
+            )
+        else:
+            items.append(Segment(_items(model, node.schedule)))
+    return tuple(items)
+
+
+def schedule_plan(profile: Profile, model: ChainModel, dp: ChainDP, m: int) -> Plan:
+    """The plan the DP schedules with ``m`` grid units of memory (no predictions yet).
+
+    Example:
+        >>> schedule_plan(prof, model, dp, dp.least_feasible())
+    """
+    return Plan(_items(model, dp.schedule(m)), profile.fingerprint)
+
+
+def _where(profile: Profile, position: int) -> str:
+    ops = profile.ops
+    index = next((op.index for op in ops if op.position >= position), len(ops) - 1)
+    op = ops[min(index, len(ops) - 1)]
+    phase = "backward" if op.backward else "forward"
+    unit = profile.units[op.unit].path if op.unit >= 0 else "code outside the planned units"
+    return f"the {phase} of {unit}"
+
+
+def least_peak_plan(
+    profile: Profile,
+    model: ChainModel | None = None,
+    dp: ChainDP | None = None,
+    *,
+    segments: bool = True,
+) -> tuple[Plan, Prediction]:
+    """The leanest plan the solver reaches, with predictions (its ``peak_bytes`` is the least peak).
+
+    The least of: the DP's plan at its least feasible budget, pushed lower by the
+    simulator-checked repair moves (the DP's model is exact only for the plans it
+    is calibrated on); the plain plan; and the baselines' plans. So it is never
+    above the plain peak or a hand-placed scheme's. Op times do not enter (the
+    search runs on times estimated from FLOPs and bytes): profiles of one step
+    taken on a busy machine all give the same least peak. ``model`` and ``dp``
+    are read only for whether segments are allowed (``without_segments``).
+
+    Example:
+        >>> plan, pred = least_peak_plan(prof)
+        >>> pred.peak_bytes  # no budget below this is reachable
+    """
+    if model is not None and not any(st.joins_previous for st in model.chain.stages):
+        segments = False
+    steady = _timeless(profile)
+    chain = build_chain(steady)
+    if not segments:
+        chain = without_segments(chain)
+    candidates = [none_plan(profile), every_kth_plan(profile, 1), save_matmuls_plan(profile)]
+    if segments:
+        candidates.append(sqrt_plan(profile))
+    least_dp = ChainDP(chain.chain)
+    m = least_dp.least_feasible()
+    if m is not None:
+        plan = Plan(_items(chain, least_dp.schedule(m)), profile.fingerprint)
+        candidates.insert(0, repair(steady, plan, 0, chain)[0])
+    predicted = [(simulate(profile, plan), plan) for plan in candidates]
+    pred, best = min(predicted, key=lambda pair: pair[0].peak_bytes)  # the first on ties
+    return finish(profile, best, None, "dp", pred)
+
+
+def _timeless(profile: Profile) -> Profile:
+    """``profile`` with each op's time replaced by one estimated from its FLOPs and bytes."""
+    speed = SPEEDS.get(profile.device, SPEEDS["cuda"])
+    ops = tuple(
+        replace(
+            op,
+            time=estimate_time(
+                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+            ),
+        )
+        for op in profile.ops
+    )
+    return replace(profile, ops=ops)
+
+
+def _polished(
+    profile: Profile, plan: Plan, pred: Prediction, budget: int, model: ChainModel,
+    segments: bool = True,
+) -> Plan:  # fmt: skip
+    """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled
+    in; or a whole-unit baseline that simulates faster within the budget (the DP's segment
+    model runs low: :mod:`gradckpt.planning.solving.whole_unit`)."""
+    polished, polished_pred = polish(profile, plan, budget, model, pred)
+    faster = faster_baseline(profile, model, polished, polished_pred, budget, segments=segments)
+    if faster is not None:
+        polished, polished_pred = faster
+    return finish(profile, polished, budget, "dp", polished_pred)[0]
+
+
+def without_segments(model: ChainModel) -> ChainModel:
+    """The chain with no stage joinable to the one before: the DP then makes no segments.
+
+    A segment recomputes all its units during its last unit's backward; under
+    FSDP the other units' parameters are sharded then, so distributed plans
+    must not contain segments.
+    """
+    stages = tuple(replace(st, joins_previous=False) for st in model.chain.stages)
+    return replace(model, chain=replace(model.chain, stages=stages))
+
+
+def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
+             dp: ChainDP | None = None, segments: bool = True) -> Plan:  # fmt: skip
+    """The least-recompute plan whose simulated peak fits ``budget`` bytes.
+
+    ``segments=False``: only single-unit regions (no segments), e.g. for FSDP.
+
+    Example:
+        >>> plan = solve_dp(prof, 600 << 20)
+    """
+    model = model or with_engine_costs(build_chain(profile), profile)
+    if not segments and any(st.joins_previous for st in model.chain.stages):
+        model = without_segments(model)
+        dp = None
+    dp = dp or ChainDP(model.chain)
+    top = model.to_units(budget)
+    least = dp.least_feasible()
+    tried: set[tuple] = set()
+    lowest: Plan | None = None
+    if least is not None and top >= 0:
+        capacity = model.chain.capacity
+        for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
+            m = min(max(m, least), capacity)
+            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
+            if plan.items in tried:
+                continue
+            tried.add(plan.items)
+            before, lowest = lowest, plan
+            # In this order, not by bisection: at the edge of feasibility the peak is not
+            # monotone in the DP's budget, and the first plan that fits is the one wanted.
+            pred = simulate(profile, plan)
+            if pred.peak_bytes <= budget:
+                if m == least and before is not None:
+                    # The DP's leanest plan buys its last bytes dearly (segments in
+                    # segments); the plan before it, repaired, may fit for less time.
+                    repaired, fixed = repair(profile, before, budget, model)
+                    if fixed.peak_bytes <= budget and fixed.step_time < pred.step_time:
+                        plan, pred = repaired, fixed
+                return _polished(profile, plan, pred, budget, model, segments)
+    # The DP's model is a little off for this plan shape: repair its plans on the simulator.
+    if lowest is not None:
+        repaired, pred = repair(profile, lowest, budget, model)
+        if pred.peak_bytes <= budget:
+            return _polished(profile, repaired, pred, budget, model, segments)
+    leanest, pred = least_peak_plan(profile, segments=segments)
+    if pred.peak_bytes <= budget:
+        return _polished(profile, leanest, pred, budget, model, segments)
+    if least is not None:
+        # At the edge of feasibility a schedule for a larger DP budget can peak lower than
+        # the ones tried (the peak is not monotone in it): scan the whole range, as the
+        # frontier does, so no budget a frontier point reaches is refused.
+        found = _scanned(profile, model, dp, least, budget)
+        if found is not None:
+            return _polished(profile, *found, budget, model, segments)
+    raise BudgetError(
+        f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
+        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
+        f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
+        f"(activations, gradients and temporaries) peaks during "
+        f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
+        "sequence length." + (f" {profile.blocks_note}" if profile.blocks_note else ""),
+        least_peak_bytes=pred.peak_bytes,
+    )
+
+
+def _resident(profile: Profile) -> str:
+    """What the whole training step holds through forward and backward, for a message."""
+    if not profile.resident_bytes:
+        return ""
+    return f", held through the step (optimizer state, resident gradients) {format_bytes(profile.resident_bytes)}"
+
+
+def _scanned(
+    profile: Profile, model: ChainModel, dp: ChainDP, least: int, budget: int, points: int = 32
+) -> tuple[Plan, Prediction] | None:
+    """The fastest DP schedule that fits ``budget`` among ``points`` spread over the DP's range."""
+    top = model.chain.capacity
+    best: tuple[Plan, Prediction] | None = None
+    for i in range(points):
+        m = least + round(i * (top - least) / (points - 1))
+        plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
+        pred = simulate(profile, plan)
+        if pred.peak_bytes <= budget and (best is None or pred.step_time < best[1].step_time):
+            best = (plan, pred)
+    return best
+
+
+def _written(nbytes: int) -> str:
+    """``nbytes`` for a message: rounded up (so it works as a budget), and exact."""
+    return f"{format_bytes(nbytes, round_up=True)} ({nbytes} bytes)"
+
+
+SOLVERS: dict[str, Solver] = {
+    "dp": solve_dp,
+    "none": lambda p, b: fit(p, none_plan(p), b, "none"),
+    "every_block": lambda p, b: fit(p, every_kth_plan(p, 1), b, "every_block"),
+    "every_kth": largest_every_kth,
+    "sqrt": lambda p, b: fit(p, sqrt_plan(p), b, "sqrt"),
+    "save_matmuls": lambda p, b: fit(p, save_matmuls_plan(p), b, "save_matmuls"),
+}
+
+
+def check_plannable(profile: Profile) -> None:
+    """Raise a ValueError saying what to do if ``profile`` has no unit a plan could change.
+
+    Example:
+        >>> check_plannable(prof)
+    """
+    if not plannable_units(profile):
+        raise ValueError(
+            "gradckpt found nothing to checkpoint in this model: no submodule runs once per "
+            "step with ops of its own (units are the model's children and its repeated "
+            "blocks). Name the blocks, e.g. gradckpt.plan(model, loss_fn, budget, "
+            "blocks=['layers.0', 'layers.1', ...]), or move the forward's layers into "
+            "submodules."
+        )
