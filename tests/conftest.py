@@ -12,6 +12,7 @@ beside them cannot be imported; each fixture here returns the helper function.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -20,6 +21,14 @@ import torch
 from gradckpt.planning import Plan, UnitChoice
 from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import Example
+
+# One torch thread per process, suite-wide (a run's own OMP_NUM_THREADS wins). On a
+# 2-core machine two OpenMP threads per process wait on each other whenever any
+# other process runs (the rank scripts, the benchmark scripts' workers, a second
+# job): tests/apply took 217 s on two threads beside one busy process and 53 s on
+# one. The variable passes it to the subprocesses tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
 

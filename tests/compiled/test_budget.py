@@ -87,14 +87,19 @@ def test_fit_compiled_installs_a_step_that_fits_with_plain_gradients(measured, l
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
 
 
-def test_a_saved_bytes_point_installs_with_plain_gradients(measured, monkeypatch, loss_and_grads):
+def test_a_saved_bytes_point_installs_with_plain_gradients(
+    measured, monkeypatch, loss_and_grads, request
+):
     """The compiler's partitioner under gradckpt's byte cap, installed by fit_compiled."""
     from gradckpt.compiled.knapsack import SavedBytesSolver
 
     ex, points = measured
     torch._dynamo.reset()
-    # Partition here, not from a cache.
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    # Partition here, not from a cache. torch's own patch, not monkeypatch: undoing a
+    # monkeypatch on torch's config module deletes the option (hides it for the process).
+    no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    no_cache.__enter__()
+    request.addfinalizer(lambda: no_cache.__exit__(None, None, None))
     partitioned = []
     solve = SavedBytesSolver.__call__
     monkeypatch.setattr(
