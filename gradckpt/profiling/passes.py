@@ -20,7 +20,7 @@ from gradckpt.profiling.recorder import RecordMode, StepRecorder
 from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
 from gradckpt.profiling.state import StepState
 from gradckpt.profiling.units import Unit
-from gradckpt.profiling.workspace import allocator_events, op_workspaces
+from gradckpt.profiling.workspace import allocator_events, malloc_probe, op_workspaces, step_peak
 
 __all__ = ["ProfileError", "run_pass", "time_plain_step"]
 
@@ -88,9 +88,10 @@ def run_pass(
     # (each op in its own span): the step's allocator peak and per-op workspace.
     with (
         allocator_events(allocator) as events,
+        malloc_probe(allocator if events is not None else None) as probe,
         _unit_markers(units, recorder),
         hooks,
-        RecordMode(recorder, device, mark_ops=events is not None),
+        RecordMode(recorder, device, mark_ops=events is not None, probe=probe),
     ):
         recorder.active = True
         try:
@@ -123,7 +124,7 @@ def run_pass(
     recorder.watcher.close()
     if events is not None and allocator is not None:
         recorder.workspaces = op_workspaces(recorder, events, allocator)
-        recorder.allocator_peak = events.peak_bytes
+        recorder.allocator_peak = step_peak(recorder, events)
     return recorder
 
 

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import flop_registry
 
 from gradckpt.engine.modes import counts_as_op, written_args
 from gradckpt.measure.allocator import close_mark, open_mark
+from gradckpt.measure.outside import RssProbe, needs_replay, replay_growth
 from gradckpt.measure.storages import StorageWatcher, storage_key
 from gradckpt.measure.timing import work_clock
 from gradckpt.profiling.accumulation import InPlaceCheck
@@ -132,6 +133,9 @@ class StepRecorder:
     #: Per-op workspace bytes and the step's allocator peak, when the pass measured them.
     workspaces: list[int] | None = None
     allocator_peak: int | None = None
+    #: Per-op peak resident growth (op index -> bytes), when a malloc probe ran
+    #: (``gradckpt.measure.outside``): what the kernel took outside the allocator too.
+    resident_growth: dict[int, int] = field(default_factory=dict)
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
     #: True between a backward node's post-hook and the next one's pre-hook, where
@@ -286,22 +290,33 @@ class StepRecorder:
             self._seq_calls.insert(i, call)
 
 
+#: Allocator spans of an op's replays (``gradckpt.measure.outside``) are numbered from here.
+REPLAY_MARKS = 1 << 40
+
+
 class RecordMode(TorchDispatchMode):
     """Feeds every counted op to a :class:`StepRecorder`, timing the kernel alone.
 
     With ``mark_ops`` each op runs inside an allocator span numbered by its op
     index (:func:`gradckpt.measure.allocator.open_mark`), so that a surrounding
     :class:`~gradckpt.measure.MemoryEvents` tells its workspace; the span opens
-    outside the timed call.
+    outside the timed call. With ``probe`` each op's peak resident growth is read
+    too (malloc-level memory the allocator's events miss), also outside the timing.
     """
 
     def __init__(
-        self, recorder: StepRecorder, device: str = "cpu", *, mark_ops: bool = False
+        self,
+        recorder: StepRecorder,
+        device: str = "cpu",
+        *,
+        mark_ops: bool = False,
+        probe: RssProbe | None = None,
     ) -> None:
         super().__init__()
         self.recorder = recorder
         self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
         self.mark_ops = mark_ops
+        self.probe = probe
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -311,13 +326,42 @@ class RecordMode(TorchDispatchMode):
             # The engine's buffer accumulation, which the plain step does in place
             # (under a mode the engine cannot): see gradckpt.profiling.accumulation.
             func = torch.ops.aten.add_.Tensor
-        handle = open_mark(len(self.recorder.ops)) if self.mark_ops else None
+        index = len(self.recorder.ops)
+        handle = open_mark(index) if self.mark_ops else None
+        resident = self.probe.start() if self.probe is not None else 0
         try:
             start = self.clock()
             out = func(*args, **kwargs)
             elapsed = self.clock() - start
         finally:
+            grown = self.probe.stop(resident) if self.probe is not None else 0
             if handle is not None:
                 close_mark(handle)
+        if self.probe is not None:
+            self.recorder.resident_growth[index] = self._worst_growth(
+                index, func, args, kwargs, out, grown
+            )
         self.recorder.record_op(func, args, kwargs, out, elapsed)
         return out
+
+    def _worst_growth(
+        self, index: int, func: Any, args: Any, kwargs: Any, out: Any, grown: int
+    ) -> int:
+        """The op's resident growth: of its run, or when that took memory beyond its
+        outputs, the worst of its replays. A first run can fault in pages no later run
+        does (resnet's convolution backward: up to 1.2 MiB over malloc's count, where
+        its replays agree with malloc), and the replays see how the kernel's threads
+        overlap their buffers. Replays run in their own allocator span
+        (:data:`REPLAY_MARKS` + index): the first run's outputs are still held, and
+        what the replays allocate on top of them is no part of the step's peak."""
+        assert self.probe is not None
+        made = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                   if isinstance(t, torch.Tensor) and t.layout == torch.strided)  # fmt: skip
+        if not needs_replay(func, grown, made):
+            return grown
+        handle = open_mark(REPLAY_MARKS + index) if self.mark_ops else None
+        try:
+            return replay_growth(self.probe, func, args, kwargs)
+        finally:
+            if handle is not None:
+                close_mark(handle)

@@ -11,8 +11,10 @@ dispatch level, what :class:`~gradckpt.measure.MemoryTracker` counts). An op's
 ``workspace`` is what the allocator held *beyond* that while the op ran
 (convolution columns, library scratch space): the allocator's peak during the
 op minus its level before the op minus the op's new storages, measured with
-:class:`~gradckpt.measure.MemoryEvents`. ``measured_peak_bytes`` is the
-allocator's peak of the plain step (what an OOM sees);
+:class:`~gradckpt.measure.MemoryEvents`; on CPU plus what the kernel took from
+malloc outside the allocator (:mod:`gradckpt.measure.outside`).
+``measured_peak_bytes`` is the allocator's peak of the plain step (what an OOM
+sees; on CPU with those outside bytes on top of the ops that took them);
 ``tracker_peak_bytes`` the dispatch-level one.
 
 Fake profiles cannot run kernels, so their workspace is zero (no estimate):

@@ -22,6 +22,7 @@ from __future__ import annotations
 # ``from gradckpt.testing import make, Example, GPT, ...`` works as it always has.
 # The factories and ``make`` are the zoo's interface; the model classes are here
 # for tests and examples that build or subclass them directly.
+from gradckpt.testing.atrous import ASPP, AtrousNet, DilatedBlock, atrous
 from gradckpt.testing.convnets import BNConvNet, ConvBNReLU, bn_convnet
 from gradckpt.testing.example import Example
 from gradckpt.testing.gpts import GPT, CausalSelfAttention, FeedForward, GPTBlock, gpt
@@ -31,13 +32,16 @@ from gradckpt.testing.unets import DownBlock, UNet, UpBlock, unet
 from gradckpt.testing.zoo import ZOO, make
 
 __all__ = [
+    "ASPP",
     "GPT",
     "MLP",
     "ZOO",
+    "AtrousNet",
     "BNConvNet",
     "BasicBlock",
     "CausalSelfAttention",
     "ConvBNReLU",
+    "DilatedBlock",
     "DownBlock",
     "Example",
     "FeedForward",
@@ -46,6 +50,7 @@ __all__ = [
     "ResidualMLPBlock",
     "UNet",
     "UpBlock",
+    "atrous",
     "bn_convnet",
     "dropout_mlp",
     "gpt",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gradckpt.testing.atrous import atrous
 from gradckpt.testing.convnets import bn_convnet
 from gradckpt.testing.example import Example
 from gradckpt.testing.gpts import gpt
@@ -19,6 +20,7 @@ ZOO: dict[str, Callable[..., Example]] = {
     "unet": unet,
     "dropout_mlp": dropout_mlp,
     "bn_convnet": bn_convnet,
+    "atrous": atrous,
 }
 
 

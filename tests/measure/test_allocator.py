@@ -1,8 +1,8 @@
 """Allocator-level peaks: checked against an independent malloc-level count.
 
-The counter is a tiny C library preloaded into a child interpreter: it wraps
-glibc's malloc family and keeps the live and peak bytes (by
-``malloc_usable_size``). torch's CPU allocator gets its memory from
+The counter is a tiny C library preloaded into a child interpreter
+(``tests/measure/conftest.py``): it wraps glibc's malloc family and keeps the
+live and peak bytes (by ``malloc_usable_size``). torch's CPU allocator gets its memory from
 ``posix_memalign``, so every tensor, kernel workspace and oneDNN scratchpad
 passes through it; so do the interpreter's and autograd's own small objects,
 which is why the two are compared within 1%, not exactly.
@@ -10,61 +10,14 @@ which is why the two are compared within 1%, not exactly.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from gradckpt.measure import AllocatorTracker, MemoryEvents, MemoryTracker
 from gradckpt.measure.allocator import close_mark, open_mark
-
-COUNTER_C = r"""
-#define _GNU_SOURCE
-#include <stddef.h>
-#include <malloc.h>
-#include <errno.h>
-extern void *__libc_malloc(size_t);
-extern void __libc_free(void *);
-extern void *__libc_calloc(size_t, size_t);
-extern void *__libc_realloc(void *, size_t);
-extern void *__libc_memalign(size_t, size_t);
-static long long current_bytes = 0, peak_bytes = 0;
-static void add(long long n) {
-  long long now = __atomic_add_fetch(&current_bytes, n, __ATOMIC_RELAXED);
-  long long seen = __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED);
-  while (now > seen && !__atomic_compare_exchange_n(&peak_bytes, &seen, now, 1,
-                                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
-}
-static void *note(void *p) { if (p) add((long long)malloc_usable_size(p)); return p; }
-void *malloc(size_t n) { return note(__libc_malloc(n)); }
-void free(void *p) { if (p) { add(-(long long)malloc_usable_size(p)); __libc_free(p); } }
-void *calloc(size_t a, size_t b) { return note(__libc_calloc(a, b)); }
-void *realloc(void *p, size_t n) {
-  if (p) add(-(long long)malloc_usable_size(p));
-  return note(__libc_realloc(p, n));
-}
-void *memalign(size_t a, size_t n) { return note(__libc_memalign(a, n)); }
-void *aligned_alloc(size_t a, size_t n) { return note(__libc_memalign(a, n)); }
-void *valloc(size_t n) { return note(__libc_memalign(4096, n)); }
-int posix_memalign(void **out, size_t a, size_t n) {
-  void *p = __libc_memalign(a, n);
-  if (!p) return ENOMEM;
-  *out = note(p);
-  return 0;
-}
-long long gck_current(void) { return current_bytes; }
-long long gck_peak(void) { return peak_bytes; }
-void gck_reset_peak(void) {
-  __atomic_store_n(&peak_bytes, __atomic_load_n(&current_bytes, __ATOMIC_RELAXED),
-                   __ATOMIC_RELAXED);
-}
-"""
 
 # Runs in the child: per model one warm step, then the same step under the malloc
 # counter and under AllocatorTracker (never both at once: the profiler mallocs too).
@@ -106,26 +59,8 @@ MODELS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not sys.platform.startswith("linux"):
-        pytest.skip("the malloc counter needs a C compiler and glibc")
-    where = tmp_path_factory.mktemp("malloc_counter")
-    (where / "counter.c").write_text(COUNTER_C)
-    lib = where / "libcounter.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(where / "counter.c")],
-                   check=True)  # fmt: skip
-    return lib
-
-
-def test_allocator_peak_matches_malloc_count(counter: Path) -> None:
-    env = {**os.environ, "LD_PRELOAD": str(counter), "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(MODELS)],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+def test_allocator_peak_matches_malloc_count(run_counted) -> None:
+    results = run_counted(CHILD, MODELS)
     assert sorted(results) == sorted(name for name, _ in MODELS)
     for name, (malloc_peak, allocator_peak, tracker_peak) in results.items():
         assert malloc_peak > 1 << 20, name  # the counter did see the step
@@ -195,7 +130,6 @@ def test_unsupported_device_is_refused() -> None:
 
 
 def test_profiler_noise_is_dropped_and_other_stderr_kept(capfd) -> None:
-    import sys
 
     with AllocatorTracker():
         torch.empty(10)

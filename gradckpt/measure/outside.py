@@ -1,0 +1,179 @@
+"""Memory a CPU kernel takes from malloc without telling torch's allocator.
+
+oneDNN's own buffers (the per-thread packing buffers of its GEMM driver, which
+a dilated convolution's backward takes: ~0.7-4.4 MiB per call on a 2-core
+machine, growing with threads) come from ``posix_memalign`` directly: no
+allocator event, so :class:`~gradckpt.measure.MemoryEvents` cannot see them and
+a plan that holds its budget at the allocator runs over it at malloc level.
+
+glibc has no in-process malloc hook any more (removed in 2.34), so an op's
+malloc-level peak is read from the kernel's resident-set high-water mark:
+
+* ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (and the trim threshold at twice
+  that): a new block above it is its own mapping, returned to the kernel when
+  freed, so resident memory follows the live blocks;
+* before each op ``malloc_trim(0)`` returns free heap pages, so a block that
+  reuses a free chunk faults its pages in again and is seen;
+* ``mallopt(M_PERTURB, ...)``: glibc fills each new block, so a buffer that
+  is allocated but only partly written is resident in full (malloc counts it
+  in full, and so must we);
+* per op, ``5`` written to ``/proc/self/clear_refs`` resets ``VmHWM``; after
+  the op ``VmHWM`` minus the resident bytes before it is the op's peak growth.
+
+The kernel keeps resident counts per CPU and folds them in batches, and some
+page reuse is not malloc's, so growth under :func:`noise_bytes` is ignored.
+The settings are restored on exit (the mmap threshold to 32 MiB,
+glibc's own upper value for it, or ``MALLOC_MMAP_THRESHOLD_`` when set: glibc
+cannot give back its earlier dynamic value). Without Linux, glibc or a
+writable ``/proc/self/clear_refs`` there is no probe (:func:`unavailable`
+says why) and profiles keep the allocator-level workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "REPLAYS", "RssProbe", "needs_replay", "noise_bytes", "replay_growth", "rss_probe",
+    "unavailable",
+]  # fmt: skip
+
+#: Extra runs of a call that grew beyond its outputs: a kernel's threads take their
+#: buffers at once or in turn as they happen to run, and a budget needs the worst.
+REPLAYS = 2
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_PERTURB = -6
+_SMALL_MMAP = 64 << 10
+_GLIBC_MMAP_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
+_PERTURB_BYTE = 0x5A
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc, not musl or another libc
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def unavailable() -> str:
+    """Why the probe cannot run in this process ("" when it can)."""
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if _libc() is None:
+        return "the C library is not glibc"
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        return "/proc/self/clear_refs is not writable"
+    return ""
+
+
+def noise_bytes() -> int:
+    """Resident growth beyond the allocator's that is not taken as an op's own.
+
+    The high-water mark is a snapshot of the kernel's running count, in which
+    each CPU may hold up to ``max(32, 2 * cpus)`` pages not yet folded in
+    (``percpu_counter_batch``): that much is counting noise. Page reuse that
+    malloc does not count adds more: on 2 CPUs (a 256 KiB bound) a tiny ResNet's
+    convolutions, with nothing outside the allocator by malloc's count, read up
+    to 0.87 MiB of growth, one run in three. The floor is four times the bound.
+    """
+    cpus = os.cpu_count() or 1
+    return 4 * cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssProbe:
+    """Peak resident growth of a stretch of code: ``start()`` before, ``stop(t)`` after."""
+
+    def __init__(self, libc: ctypes.CDLL, status_fd: int, clear_fd: int) -> None:
+        self._libc = libc
+        self._status = status_fd
+        self._clear = clear_fd
+
+    def _read(self) -> tuple[int, int]:
+        text = os.pread(self._status, 8192, 0)
+        return _field(text, b"VmHWM:"), _field(text, b"VmRSS:")
+
+    def start(self) -> int:
+        """Reset the high-water mark; returns the resident bytes now."""
+        # Free pages go back to the kernel, so no block in the stretch reuses a
+        # resident page unseen (a thread arena's top, a freed chunk mid-heap).
+        self._libc.malloc_trim(0)
+        os.write(self._clear, b"5")
+        return self._read()[1]
+
+    def stop(self, before: int) -> int:
+        """Peak resident bytes since ``start`` above ``before``."""
+        hwm, rss = self._read()
+        return max(hwm, rss) - before
+
+
+def needs_replay(func: Any, grown: int, outputs: int) -> bool:
+    """Whether a call that grew ``grown`` bytes, ``outputs`` of them its results, is run
+    again (:func:`replay_growth`): it grew beyond them by more than the noise, writes
+    no argument and draws no random numbers."""
+    return grown - outputs > noise_bytes() and _replayable(func)
+
+
+def replay_growth(probe: RssProbe, func: Any, args: tuple, kwargs: dict) -> int:
+    """The most ``func(*args, **kwargs)`` grew over :data:`REPLAYS` more runs."""
+    grown = 0
+    for _ in range(REPLAYS):
+        before = probe.start()
+        func(*args, **kwargs)  # its outputs are dropped here, inside the stretch
+        grown = max(grown, probe.stop(before))
+    return grown
+
+
+def _replayable(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    tags = getattr(func, "tags", ())
+    return (
+        schema is not None
+        and not schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in tags
+    )
+
+
+def _field(text: bytes, name: bytes) -> int:
+    at = text.index(name) + len(name)
+    return int(text[at : text.index(b"kB", at)]) * 1024
+
+
+def _restored_threshold() -> int:
+    env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return int(env) if env.isdigit() else _GLIBC_MMAP_MAX
+
+
+@contextlib.contextmanager
+def rss_probe() -> Iterator[RssProbe | None]:
+    """A :class:`RssProbe` with glibc set up for it (None when :func:`unavailable`)."""
+    if unavailable():
+        yield None
+        return
+    libc = _libc()
+    assert libc is not None
+    status = os.open("/proc/self/status", os.O_RDONLY)
+    clear = os.open("/proc/self/clear_refs", os.O_WRONLY)
+    libc.mallopt(_M_MMAP_THRESHOLD, _SMALL_MMAP)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2 * _SMALL_MMAP)
+    libc.mallopt(_M_PERTURB, _PERTURB_BYTE)
+    try:
+        yield RssProbe(libc, status, clear)
+    finally:
+        libc.mallopt(_M_PERTURB, 0)
+        threshold = _restored_threshold()
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)  # the pairing glibc's dynamic rule keeps
+        os.close(status)
+        os.close(clear)
