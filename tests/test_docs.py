@@ -342,7 +342,7 @@ def test_site_builds_strictly(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
          "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=900,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

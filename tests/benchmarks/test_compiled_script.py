@@ -19,7 +19,7 @@ def test_compiled_quick_writes_report(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.compiled", "--quick", "--threads", "1",
          "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (md,) = tmp_path.glob("compiled-cpu-*.md")
@@ -65,7 +65,7 @@ def test_compiled_quick_with_two_processes_per_contender(tmp_path: Path) -> None
         [sys.executable, "-m", "benchmarks.compiled", "--quick", "--threads", "1",
          "--kinds", "compiler", "--budgets", "1", "--processes", "2",
          "--name", "pooled", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (md,) = tmp_path.glob("pooled-cpu-*.md")

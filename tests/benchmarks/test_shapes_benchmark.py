@@ -22,7 +22,7 @@ def test_shapes_quick_writes_report_json_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.shapes", "--quick", "--threads", "1",
          "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     [md] = tmp_path.glob("shapes-cpu-*.md")

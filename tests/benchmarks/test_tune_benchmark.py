@@ -26,7 +26,7 @@ def test_tune_quick_writes_report_json_and_plot(tmp_path: Path) -> None:
 
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.tune", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     [md] = tmp_path.glob("tune-cpu-*.md")
@@ -58,7 +58,7 @@ def test_tune_quick_writes_report_json_and_plot(tmp_path: Path) -> None:
     rerun = subprocess.run(
         [sys.executable, "-m", "benchmarks.tune", "--from-json", str(md.with_suffix(".json")),
          "--out", str(again)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert (again / md.name).read_text() == text

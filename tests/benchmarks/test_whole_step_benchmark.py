@@ -25,7 +25,7 @@ def test_whole_step_quick_writes_report_and_json(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.whole_step", "--quick", "--threads", "1",
          "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     [md] = tmp_path.glob("whole-step-cpu-*.md")

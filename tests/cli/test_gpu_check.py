@@ -19,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=env)  # fmt: skip
+                          text=True, timeout=600, env=env)  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")

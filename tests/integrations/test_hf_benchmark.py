@@ -22,7 +22,7 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.hf_models", "--quick", "--threads", "1",
          "--models", "gpt2", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (md,) = tmp_path.glob("hf-cpu-*.md")

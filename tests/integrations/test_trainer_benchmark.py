@@ -23,7 +23,7 @@ def test_quick_lora_and_unet_run_writes_the_report(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.hf_models", "--quick", "--threads", "1",
          "--models", "llama-lora", "sd-unet", "--tag", "lora-unet", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, capture_output=True, text=True, timeout=720,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (md,) = tmp_path.glob("lora-unet-cpu-*.md")

@@ -70,7 +70,7 @@ _CHILD = textwrap.dedent(
 
 def test_two_threads_fit_two_models_at_once():
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=1800
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
