@@ -25,7 +25,7 @@ from gradckpt.api_budget import (
     training_step,
 )
 from gradckpt.api_checks import check_arguments
-from gradckpt.api_shapes import PlanOptions
+from gradckpt.api_shapes import PlanOptions, ShapeHandling
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
 from gradckpt.planning.explaining.explain import Explanation
@@ -181,9 +181,8 @@ def plan(
             "no input whose shapes= could be varied; plan the module the step calls"
         )
     plans = {fitted.key: first}
-    planner = api_shapes.shape_planner(
-        model, fitted, first.budget_bytes, options, loss_from, seq_dim
-    )
+    handling = ShapeHandling(loss_from=loss_from, seq_dim=seq_dim)
+    planner = api_shapes.shape_planner(model, fitted, first.budget_bytes, options, handling)
     for call in replan.calls_for(fitted, shapes, seq_dim):
         if call.key not in plans:
             plans[call.key] = api_shapes.plan_shape(planner, call)
@@ -303,6 +302,7 @@ def fit(
     )
     held = held_bytes(model, optimizer)
     options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
+    handling = ShapeHandling(on_new_shape, loss_from, round_up, seq_dim, rescale)
     with adapters.training(model):  # transformers: use_cache off for training, said once
         fitted, chosen, prof = api_shapes.plan_fitted(
             model, loss_fn, budget, options, measure_candidates
@@ -321,15 +321,13 @@ def fit(
                 apply(model, held)
         else:
             planner = api_shapes.shape_planner(
-                model, fitted, chosen.budget_bytes, options, loss_from, seq_dim, rescale
+                model, fitted, chosen.budget_bytes, options, handling
             )
             plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
             for call in replan.calls_for(fitted, shapes or (), seq_dim):
                 if call.key not in plans:
                     plans[call.key] = api_shapes.plan_shape(planner, call)
-            guard = api_shapes.guard(
-                model, on_new_shape, plans, fitted.key, planner, round_up, options.step
-            )
+            guard = api_shapes.guard(model, plans, fitted.key, planner, handling, options.step)
             install_guarded(model, chosen, guard)
 
             def put(held: Plan) -> None:

@@ -46,7 +46,7 @@ from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
 
-__all__ = ["PlanOptions", "guard", "plan_fitted", "plan_shape", "shape_planner"]
+__all__ = ["PlanOptions", "ShapeHandling", "guard", "plan_fitted", "plan_shape", "shape_planner"]
 
 LossFn = Callable[[], torch.Tensor]
 
@@ -65,6 +65,18 @@ class PlanOptions:
     step: TrainingStep | None = None
     #: Gradients and optimizer state that exist already (beside a real profile's step).
     held_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShapeHandling:
+    """What ``fit`` does with calls at shapes other than the fitted one (its shape options,
+    checked): they travel together from ``fit``/``plan`` to the shape planner and the guard."""
+
+    on_new_shape: str = "replan"
+    loss_from: replan.LossFrom | None = None
+    round_up: bool = False
+    seq_dim: int = 1
+    rescale: bool = True
 
 
 def plan_fitted(
@@ -163,16 +175,15 @@ def shape_planner(
     fitted: replan.Call,
     budget_bytes: int | None,
     options: PlanOptions,
-    loss_from: replan.LossFrom | None,
-    seq_dim: int,
-    rescale: bool = True,
+    shapes: ShapeHandling,
 ) -> replan.ShapePlanner:
     """Plans other shapes of ``fitted``'s call under the same budget in bytes (fake profiles).
 
     Example:
-        >>> planner = shape_planner(model, call, plan.budget_bytes, PlanOptions(), None, 1)
+        >>> planner = shape_planner(model, call, plan.budget_bytes, PlanOptions(), ShapeHandling())
     """
     assert budget_bytes is not None
+    loss_from = shapes.loss_from
 
     def profile_fake(step: LossFn) -> Profile:
         return profile_step(model, step, blocks=options.blocks, fake=True)
@@ -207,7 +218,8 @@ def shape_planner(
         return measured_at_shape(model, step, leanest[0], budget_bytes, fitted.profile)
 
     return replan.ShapePlanner(
-        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=seq_dim, rescale=rescale,
+        model, fitted, loss_from, profile_fake, solve_profile, seq_dim=shapes.seq_dim,
+        rescale=shapes.rescale,
         measure_real=measure_real, verify_real=verify_real if unseen else None,
     )  # fmt: skip
 
@@ -228,17 +240,16 @@ def plan_shape(planner: Callable[[replan.Call], Plan], call: replan.Call) -> Pla
 
 def guard(
     model: nn.Module,
-    on_new_shape: str,
     plans: dict[ShapeKey | None, Plan],
     active: ShapeKey,
     planner: replan.ShapePlanner,
-    round_up: bool,
+    shapes: ShapeHandling,
     step: TrainingStep | None = None,
 ) -> shape_guard.ShapeGuard:
     """The shape guard ``fit`` installs: checks each call, switches or plans per shape.
 
     Example:
-        >>> install_guarded(model, plan, guard(model, "replan", plans, key, planner, False))
+        >>> install_guarded(model, plan, guard(model, plans, key, planner, ShapeHandling()))
     """
 
     def plan_new(args: tuple, kwargs: dict[str, Any]) -> Plan:
@@ -250,13 +261,13 @@ def guard(
         return _predicted_or_measured(model, planner, chosen, call, step)
 
     made = _RoutedGuard(
-        on_new_shape,
+        shapes.on_new_shape,
         plans,
         active,
         lambda p: install_plan(model, p),
         planner=plan_new,
         predictor=predict,
-        round_up=round_up,
+        round_up=shapes.round_up,
         rescaled=lambda: planner.rescaled,
         routes=lambda: planner.routes,
     )
