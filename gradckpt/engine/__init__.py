@@ -10,6 +10,7 @@ from gradckpt.engine.decisions import (
     Offload,
     PolicyContext,
     Recompute,
+    RecomputeOffload,
     Selective,
 )
 from gradckpt.engine.frame import Frame, tag
@@ -27,6 +28,7 @@ __all__ = [
     "Offload",
     "PolicyContext",
     "Recompute",
+    "RecomputeOffload",
     "Selective",
     "active_frame",
     "checkpoint",

@@ -35,6 +35,7 @@ __all__ = [
     "Offloadable",
     "PolicyContext",
     "Recompute",
+    "RecomputeOffload",
     "Saveable",
     "Selective",
     "as_decision",
@@ -171,6 +172,34 @@ class Offload(Decision):
     (:mod:`gradckpt.engine.offload`; which storages move, the link and the host
     budget are the plan's ``offload`` options). Per-op policies cannot answer it.
     """
+
+
+@decision_kind("recompute_offload")
+@dataclass(frozen=True, slots=True)
+class RecomputeOffload(Decision):
+    """Recompute, with the input the region keeps for its recompute moved to host memory.
+
+    The unit is a checkpointed region (as :class:`Recompute`); the one input it
+    keeps that checkpointing could not drop (the tensor at flat position ``arg``
+    of its call's arguments: the hidden state a block hands the next) goes to
+    host memory after its forward and comes back ahead of its recompute
+    (:mod:`gradckpt.engine.offload.boundary`). A unit decision only.
+    """
+
+    arg: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.arg, int) or isinstance(self.arg, bool) or self.arg < 0:
+            raise ValueError(
+                f"RecomputeOffload.arg must be a flat argument position >= 0, got {self.arg!r}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"arg": self.arg} if self.arg else {}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RecomputeOffload:
+        return cls(int(data.get("arg", 0)))
 
 
 #: The decisions as a policy returns them (and as plans and the engine compare them).

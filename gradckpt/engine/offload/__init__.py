@@ -8,6 +8,8 @@ One module per concern:
   (the backend interface and the host-copy backend that runs on any CPU);
 * :mod:`~gradckpt.engine.offload.cuda`: the pinned-pool CUDA backend (imported
   only when a unit runs on a CUDA device);
+* :mod:`~gradckpt.engine.offload.boundary`: a recomputed region's kept input
+  moved the same way (``RecomputeOffload``);
 * :mod:`~gradckpt.engine.offload.runtime`: one session per applied model, shared
   by its offloaded units.
 
@@ -15,6 +17,7 @@ The names below were the module ``gradckpt.engine.offload``'s before it became
 this package, so ``from gradckpt.engine.offload import ...`` keeps working.
 """
 
+from gradckpt.engine.offload.boundary import run_boundary_offloaded
 from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.engine.offload.session import (
     CreatedStorages,
@@ -33,6 +36,7 @@ __all__ = [
     "OffloadGroup",
     "OffloadRuntime",
     "OffloadSession",
+    "run_boundary_offloaded",
     "run_offloaded",
     "storage_key",
 ]

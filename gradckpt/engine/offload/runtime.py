@@ -2,18 +2,21 @@
 
 ``apply`` gives every offloaded unit's spec the same :class:`OffloadRuntime`
 (made by the offload kind's handler, :mod:`gradckpt.planning.kinds.offload.handler`);
-its session (made at the first call, for the device the unit's tensors are on)
-orders the copies of all of them: the one-deep forward stash and the prefetch
+``RecomputeOffload`` units share it (their kept inputs join the same stash
+and prefetch order). Its session (made at the first call, for the device the
+unit's tensors are on) orders the copies of all of them: the one-deep forward stash and the prefetch
 run across units. On CPU the backend is the host copy (exact, no overlap); on
 CUDA the pinned-pool backend (not yet run on a GPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gradckpt.engine.offload.boundary import boundary_argument, run_boundary_offloaded
 from gradckpt.engine.offload.session import OffloadSession, run_offloaded
 from gradckpt.engine.offload.store import HostCopyBackend
 
@@ -52,6 +55,16 @@ class OffloadRuntime:
         device = next((t.device for t in keep), None) or _first_device(args, kwargs)
         session = self.session_for(device)
         return run_offloaded(session, unit.path, unit.body or unit.plain, args, kwargs, keep)
+
+    def run_boundary(
+        self, unit: Any, args: tuple, kwargs: dict, arg: int, region: Callable[[], Any]
+    ) -> Any:
+        """Run ``region()`` (``unit``'s checkpointed region) with the input it keeps, the
+        call's flat argument ``arg``, offloaded (:mod:`gradckpt.engine.offload.boundary`)."""
+        boundary = boundary_argument(unit.path, args, kwargs, arg)
+        keep = (*unit.module.parameters(), *unit.module.buffers())
+        session = self.session_for(boundary.device)
+        return run_boundary_offloaded(session, unit.path, region, boundary, keep)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "session": None}  # a copy starts its own session
