@@ -116,11 +116,12 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
                 raise ValueError(f"the plan lists {item.path!r} twice")
             plain = getattr(module.forward, "__gradckpt_original__", module.forward)
             kind = handler_for(item.decision)
-            if type(item.decision) not in runtimes:
-                runtimes[type(item.decision)] = kind.install(plan)
+            group = kind.runtime_group or type(item.decision)  # kinds may share one
+            if group not in runtimes:
+                runtimes[group] = kind.install(plan)
             specs[item.path] = UnitSpec(
                 item.path, module, plain, item.decision, kind.policy(item.path, item.decision),
-                list(enclosing), shapes.get(item.path), runtime=runtimes[type(item.decision)],
+                list(enclosing), shapes.get(item.path), runtime=runtimes[group],
             )  # fmt: skip
 
     visit(plan.items, [])

@@ -76,7 +76,8 @@ def toy_kind():
 
 def test_builtin_kinds_are_registered_in_option_order():
     kinds = [h.decision for h in handlers()]
-    assert kinds[:4] == [gradckpt.Keep, gradckpt.Recompute, gradckpt.Offload, gradckpt.Selective]
+    assert kinds[:5] == [gradckpt.Keep, gradckpt.Recompute, gradckpt.Offload,
+                         gradckpt.RecomputeOffload, gradckpt.Selective]  # fmt: skip
     assert not handler_for(gradckpt.Keep()).opens_region
     assert handler_for(gradckpt.Recompute()).opens_region
     assert not handler_for(gradckpt.Selective()).compiled_body

@@ -47,6 +47,9 @@ class StepEffect:
     stall: float = 0.0
     #: Bytes held in host memory at once.
     host_bytes: int = 0
+    #: (unit index, storage id): that unit's own top-level region no longer holds that
+    #: input storage for its recompute (it went to host memory; ``buffers`` bring it back).
+    released_inputs: frozenset[tuple[int, int]] = frozenset()
 
 
 def combined(effects: Iterable[StepEffect]) -> StepEffect | None:
@@ -69,4 +72,5 @@ def combined(effects: Iterable[StepEffect]) -> StepEffect | None:
         tuple(b for e in effects for b in e.buffers),
         sum(e.stall for e in effects),
         sum(e.host_bytes for e in effects),
+        frozenset().union(*(e.released_inputs for e in effects)),
     )

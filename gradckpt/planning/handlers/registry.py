@@ -65,6 +65,9 @@ class KindHandler:
     #: False if the DP must never choose this kind inside a segment's recompute (where
     #: the unit runs again during backward: offloading there would be pointless).
     nested: ClassVar[bool] = True
+    #: Kinds whose units share one :meth:`install` result per applied plan (e.g. one
+    #: offload session for every unit that moves bytes to host); None: its own.
+    runtime_group: ClassVar[type[Decision] | None] = None
 
     # ----------------------------------------------------------------- planner
 
@@ -81,6 +84,13 @@ class KindHandler:
     ) -> set[int]:
         """Storages made by ``unit`` that stay on the device from its forward to its backward."""
         return set()
+
+    def released_input_bytes(
+        self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup
+    ) -> int:
+        """Bytes of the unit's input that leave the device from its forward to its backward
+        (offloaded; the chain otherwise counts a unit's input as held by the unit before)."""
+        return 0
 
     def recompute_seconds(
         self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup

@@ -16,10 +16,12 @@ one module here with its handler, one import line below, and its tests.
 
 # In this order (they register as imported): offload before selective, so that a
 # block's offload option is its third (index 2) on every block and the chain's
-# calibration runs one all-offload plan.
+# calibration runs one all-offload plan; the offloaded boundary (recompute_offload)
+# fourth, for the same reason.
 from gradckpt.planning.kinds import keep  # noqa: F401, I001
 from gradckpt.planning.kinds import recompute  # noqa: F401
 from gradckpt.planning.kinds.offload import handler  # noqa: F401
+from gradckpt.planning.kinds.offload import boundary  # noqa: F401
 from gradckpt.planning.kinds import selective  # noqa: F401
 
 __all__: list[str] = []

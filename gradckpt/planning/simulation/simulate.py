@@ -16,7 +16,8 @@ would run the plan:
 A kind whose units act on the plan as a whole (``Offload``'s stash and copy
 queue) hands the simulator a :class:`~gradckpt.planning.handlers.effects.StepEffect`
 (its handler's ``plan_effect``): saved tensors that stop holding their storage,
-storages kept live until a position, buffers it adds, and seconds compute waits.
+storages kept live until a position, region inputs its units no longer hold, buffers
+it adds, and seconds compute waits.
 
 Everything else (backward allocations, gradients, storages the plain step
 keeps) stays where the profile measured it.
@@ -146,9 +147,13 @@ class _Simulator:
             for pid in region.packs:
                 top_of_pack[pid] = region
         held_until: dict[int, int] = {}
+        # Inputs a unit's own region no longer holds (the effect moved them to host).
+        moved_inputs = self.effect.released_inputs if self.effect is not None else frozenset()
         for region in self.regions:
             death = self.death(region)
             for sid in region.inputs:
+                if len(region.units) == 1 and (region.units[0], sid) in moved_inputs:
+                    continue
                 held_until[sid] = max(held_until.get(sid, 0), death)
             for op in region.save:
                 for sid in p.ops[op].outputs:

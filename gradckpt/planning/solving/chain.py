@@ -64,7 +64,10 @@ def _kept_bytes(profile: Profile, unit: UnitRecord, option: Decision, look: Look
     state = region_state_bytes(profile) if kind.opens_region else 0
     sids = kind.kept_storages(profile, unit, option, look)
     sids.discard(unit.output)
-    return state + sum(profile.storages[s].nbytes for s in sids)
+    # An option that moves the unit's input off the device (offloaded boundary) frees
+    # what the chain counts as held before it: negative when it frees more than it keeps.
+    released = kind.released_input_bytes(profile, unit, option, look)
+    return state + sum(profile.storages[s].nbytes for s in sids) - released
 
 
 def _own_forward_peak(profile: Profile, unit: UnitRecord, option: Decision, look: Lookup) -> int:
@@ -244,7 +247,7 @@ def build_chain(
             opts.append(
                 Option(
                     name=kind.option_name(option, k),
-                    kept=near(kept[i][k]),
+                    kept=round(kept[i][k] / unit_bytes),  # signed (see _kept_bytes)
                     fwd=fwd_need[i][k],
                     # A kind that cannot run inside a segment's recompute (offload would
                     # only move bytes back and forth there) is out of reach there.

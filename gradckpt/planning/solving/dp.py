@@ -93,7 +93,10 @@ class ChainDP:
             if a == b:
                 return [item]
             kept = stages[a].options[code].kept + stages[a + 1].input
-            return [item, *self._tree(ctx, m - kept, a + 1, b)]
+            # An option that frees its input may leave more than the grid holds: the
+            # tables are flat past it (the padding), so the choice there is the last one.
+            rest = min(m - kept, self.size - 1)
+            return [item, *self._tree(ctx, rest, a + 1, b)]
         j = a + code - _SEGMENT
         inner = min(m - self._cells.grad_shift(j, b), self.size - 1)
         left = self._tree(NESTED, inner, a, j - 1)

@@ -85,7 +85,10 @@ class CellTables:
         grads = [st.grad for st in stages]
         ahead = near_div(sum(g for g in grads if g > 0), scale)
         behind = -near_div(sum(g for g in grads if g < 0), scale)
-        return max(0, kept) + max(0, inputs) + ahead + 1, behind + 1
+        # An option that frees its input (offloaded boundary) holds less than nothing:
+        # its rest is read to the right of m.
+        freed = -min(0, min(o.kept for st in stages for o in st.options))
+        return max(0, kept) + max(0, inputs) + ahead + 1, behind + freed + 1
 
     def _store(self, row: torch.Tensor, best: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
         left = self._left

@@ -13,6 +13,9 @@ It follows the engine (:mod:`gradckpt.engine.offload`) event for event:
   begins (its first unpack: the prefetch), so the reload buffers are live
   during that unit's backward too, which can raise the peak; without
   prefetch, at the unit's own first unpack;
+* a ``RecomputeOffload`` unit moves its region's kept input instead (its
+  chain input, :func:`boundary_storages`): its region no longer holds it, and
+  its loads start just before its recompute, which unpacks that input first;
 * compute waits for a copy out when its sources are dropped and for a copy
   back at the unit's first unpack; :func:`run_timeline` turns that into stalls.
 
@@ -31,7 +34,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from gradckpt.engine.decisions import Offload
+from gradckpt.engine.decisions import Offload, RecomputeOffload
 from gradckpt.planning.handlers.effects import Buffer, StepEffect
 from gradckpt.planning.kinds.offload.cost import (
     Compute,
@@ -48,6 +51,7 @@ from gradckpt.profiling.records import NEVER, Profile, UnitRecord
 __all__ = [
     "MovedUnit",
     "OffloadEffect",
+    "boundary_storages",
     "describe_offload",
     "moved_storages",
     "offload_effect",
@@ -89,6 +93,13 @@ class MovedUnit:
     need: int  # its first unpack: its backward begins
     d2h_seconds: float
     h2d_seconds: float
+    #: True for a ``RecomputeOffload`` unit: what moves is its region's kept input, and
+    #: its backward begins with its recompute, which needs the input back before it.
+    boundary: bool = False
+    loaded_by: str = ""  # the unit whose backward's start loads this one's bytes
+    #: Boundary units: until where the input is held on the device once back (or, if
+    #: held into backward, all along): its recompute, and the saved tensors of it.
+    until: int = NEVER
 
     @property
     def held(self) -> bool:
@@ -122,8 +133,32 @@ def _cumulative_time(profile: Profile):
     return at
 
 
+def boundary_storages(
+    profile: Profile, unit: UnitRecord, decision: RecomputeOffload, min_bytes: int
+) -> tuple[int, ...]:
+    """The storage a ``RecomputeOffload`` unit's engine moves: its input at ``decision.arg``
+    (the profile knows it as the unit's chain input), if at least ``min_bytes``.
+
+    Example:
+        >>> boundary_storages(prof, prof.blocks[1], RecomputeOffload(0), 4096)
+    """
+    if decision.arg != unit.chain_arg or unit.chain_input < 0:
+        raise ValueError(
+            f"the plan moves argument {decision.arg} of {unit.path} to host memory, but the "
+            f"profile knows only its chain input (argument {unit.chain_arg}) as the input a "
+            "region keeps; plan again rather than editing the decision"
+        )
+    sid = unit.chain_input
+    return (sid,) if profile.storages[sid].nbytes >= min_bytes else ()
+
+
+def _moves(decision: object) -> bool:
+    return isinstance(decision, (Offload, RecomputeOffload))
+
+
 def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None) -> OffloadEffect:
-    """The offloaded units of ``plan`` (top-level ``offload`` items) and their costs.
+    """The offloaded units of ``plan`` (top-level ``offload`` and ``recompute_offload``
+    items) and their costs.
 
     Example:
         >>> offload_effect(prof, plan, OffloadOptions(d2h_bandwidth=25e9)).stall
@@ -131,37 +166,63 @@ def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None)
     options = options or OffloadOptions()
     by_path = {u.path: u for u in profile.units}
     chosen = [
-        by_path[item.path] for item in plan.items
-        if isinstance(item, UnitChoice) and isinstance(item.decision, Offload)
-        and item.path in by_path
+        (by_path[item.path], item.decision) for item in plan.items
+        if isinstance(item, UnitChoice) and _moves(item.decision) and item.path in by_path
     ]  # fmt: skip
-    chosen.sort(key=lambda u: u.first_op)
-    needs = [_first_unpack(profile, u) for u in chosen]
+    chosen.sort(key=lambda pair: pair[0].first_op)
+    needs = [_first_unpack(profile, u) for u, _ in chosen]
+    # Where a unit's backward starts loading: a region's first unpack runs its recompute,
+    # whose kept input is unpacked before any of its ops, so loads it starts (its own and
+    # the prefetch) come just before that recompute (a recompute sits at need - 1).
+    starts = [n - 2 if isinstance(d, RecomputeOffload) else n for n, (_, d) in zip(needs, chosen)]
     units: list[MovedUnit] = []
-    for i, u in enumerate(chosen):
-        sids = moved_storages(profile, u, options.min_bytes)
+    for i, (u, decision) in enumerate(chosen):
+        boundary = isinstance(decision, RecomputeOffload)
+        if boundary:
+            sids = boundary_storages(profile, u, decision, options.min_bytes)
+        else:
+            sids = moved_storages(profile, u, options.min_bytes)
         nbytes = sum(profile.storages[s].nbytes for s in sids)
         last = i + 1 == len(chosen)
         close = profile.ops[u.end_op - 1].position
-        drop = NEVER if last else profile.ops[chosen[i + 1].end_op - 1].position
-        load = NEVER if last else (needs[i + 1] if options.prefetch else needs[i])
+        drop = NEVER if last else profile.ops[chosen[i + 1][0].end_op - 1].position
+        by = i + 1 if options.prefetch else i
+        load = NEVER if last else starts[by]
         d2h = transfer_seconds(nbytes, len(sids), options.d2h_bandwidth, options.transfer_latency)
         h2d = 0.0 if last else transfer_seconds(
             nbytes, len(sids), options.h2d_bandwidth, options.transfer_latency
         )  # fmt: skip
-        units.append(MovedUnit(u.path, u.index, sids, nbytes, close, drop, load, needs[i], d2h, h2d))
+        until = _boundary_until(profile, u, sids, needs[i], last) if boundary else NEVER
+        units.append(MovedUnit(u.path, u.index, sids, nbytes, close, drop, load, needs[i], d2h,
+                               h2d, boundary, "" if last else chosen[by][0].path, until))  # fmt: skip
     moved = frozenset(
-        p.id for m in units if not m.held for p in profile.packs
+        p.id for m in units if not m.held and not m.boundary for p in profile.packs
         if p.unit == m.unit and p.storage in set(m.storages)
     )  # fmt: skip
     stall, by_unit = _stalls(profile, units)
     return OffloadEffect(tuple(units), moved, sum(m.nbytes for m in units), stall, by_unit)
 
 
+def _boundary_until(
+    profile: Profile, unit: UnitRecord, sids: tuple[int, ...], need: int, held: bool
+) -> int:
+    """Until where a boundary unit's input is on the device in backward.
+
+    Held into backward, the group keeps the source until its region dies (its last
+    saved tensor released). Reloaded, the buffer lives through the recompute (which
+    ends just before ``need``) and as long as a saved tensor of the recompute views it.
+    """
+    mine = [p for p in profile.packs if p.unit == unit.index]
+    if held:
+        return max((p.release for p in mine), default=need)
+    return max([need - 1, *(p.release for p in mine if p.storage in sids)])
+
+
 def step_effect(profile: Profile, effect: OffloadEffect) -> StepEffect:
     """The offload as the simulator applies it: moved storages are held by the stash, not
-    their saved tensors, until dropped, and come back as reload buffers at the load,
-    live until their saved tensors are released.
+    their saved tensors (or, for a boundary, not its region), until dropped, and come
+    back as reload buffers at the load, live until their saved tensors are released
+    (a boundary's: see :func:`_boundary_until`).
 
     Example:
         >>> step_effect(prof, offload_effect(prof, plan, plan.offload)).buffers
@@ -171,16 +232,23 @@ def step_effect(profile: Profile, effect: OffloadEffect) -> StepEffect:
         pack = profile.packs[pid]
         released[pack.storage] = max(released.get(pack.storage, 0), pack.release)
     dropped = [m for m in effect.units if not m.held]
+    live_until = {sid: m.drop for m in dropped for sid in m.storages}
+    for m in effect.units:
+        if m.boundary and m.held:  # the session keeps the source until its region dies
+            live_until.update({sid: m.until for sid in m.storages})
     return StepEffect(
         released_packs=effect.moved_packs,
-        live_until={sid: m.drop for m in dropped for sid in m.storages},
+        live_until=live_until,
         buffers=tuple(
-            Buffer(profile.storages[sid].nbytes, m.load, released[sid])
+            Buffer(profile.storages[sid].nbytes, m.load, m.until if m.boundary else released[sid])
             for m in dropped
             for sid in m.storages
         ),
         stall=effect.stall,
         host_bytes=effect.host_bytes,
+        released_inputs=frozenset(
+            (m.unit, sid) for m in effect.units if m.boundary for sid in m.storages
+        ),
     )
 
 
@@ -192,7 +260,7 @@ def _stalls(profile: Profile, units: list[MovedUnit]) -> tuple[float, dict[str, 
         if i > 0:  # the previous unit's sources are dropped: wait for their copy
             events.append((m.close, 1, Wait(("out", units[i - 1].path))))
         if not m.held:
-            own = m.load == m.need
+            own = m.loaded_by == m.path
             events.append((m.load, 2 if own else 3, Issue(("in", m.path), m.h2d_seconds)))
             events.append((m.need, 4, Wait(("in", m.path))))
     events.sort(key=lambda e: (e[0], e[1]))
@@ -243,14 +311,13 @@ def describe_offload(profile: Profile, plan: Plan) -> dict[str, str]:
         >>> describe_offload(prof, plan)["blocks.0"]
     """
     effect = offload_effect(profile, plan, plan.offload)
-    units = list(effect.units)
     out = {}
-    for i, m in enumerate(units):
+    for m in effect.units:
         moved = f"offload {m.nbytes / 2**20:.2f} MiB"
         if m.held:
             out[m.path] = f"{moved}: out after forward, held into backward (no copy back)"
             continue
-        back = units[i + 1].path if m.load != m.need else m.path
+        back = m.loaded_by
         stall = effect.stall_by_unit.get(m.path, 0.0)
         out[m.path] = f"{moved}: out after forward, back at {back} backward, waits {stall * 1e3:.2f} ms"
     return out

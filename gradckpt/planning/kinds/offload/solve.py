@@ -19,11 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gradckpt.engine.decisions import Offload
+from gradckpt.engine.decisions import Offload, RecomputeOffload
+from gradckpt.planning.kinds.offload.boundary import offloadable_boundary
+from gradckpt.planning.kinds.offload.floor import least_peak_offload, offload_budget_error
 from gradckpt.planning.kinds.offload.sim import moved_storages
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.baselines import finish
 from gradckpt.planning.solving.brute import evaluate
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
@@ -129,12 +132,18 @@ def solve_chain_priced(
 
 
 def _host_table(model: ChainModel, profile: Profile) -> list[list[int]]:
-    """Host bytes of each stage's each option: what an ``Offload`` option moves, else 0."""
+    """Host bytes of each stage's each option: what an ``Offload`` option moves, what a
+    ``RecomputeOffload`` option moves (its kept input), else 0."""
     min_bytes = (model.offload or OffloadOptions()).min_bytes
     table = []
     for unit, opts in zip(model.units, model.options):
         moved = sum(profile.storages[s].nbytes for s in moved_storages(profile, unit, min_bytes))
-        table.append([moved if isinstance(o, Offload) else 0 for o in opts])
+        sid = offloadable_boundary(profile, unit, min_bytes)
+        boundary = profile.storages[sid].nbytes if sid is not None else 0
+        table.append([
+            moved if isinstance(o, Offload) else boundary if isinstance(o, RecomputeOffload) else 0
+            for o in opts
+        ])  # fmt: skip
     return table
 
 
@@ -190,6 +199,13 @@ def solve_offload(
                     found = plan
             else:
                 low = mid
+    if found is None and error is not None:
+        # Below the floor without offload the DP's model may miss by a little: the
+        # leanest plan with offload (repaired on the simulator) may still fit.
+        floor, pred = least_peak_offload(profile, options, model=model, segments=segments)
+        if pred.peak_bytes > budget:
+            raise offload_budget_error(budget, error, pred, options)
+        found, _ = finish(profile, floor, budget, "dp", pred)
     if found is not None:
         candidates.append(found)
     if not candidates:
