@@ -218,7 +218,8 @@ def solve_offload(
 def offload_candidates(
     profile: Profile, options: OffloadOptions, budgets: Sequence[int], *, most: int = 12
 ) -> list[Plan]:
-    """Plans made with offload at up to ``most`` of ``budgets`` (spread evenly), for a frontier.
+    """Plans made with offload at up to ``most`` of ``budgets`` (spread evenly), for a frontier,
+    and, below the least of them, the leanest plan with offload and two budgets between.
 
     Example:
         >>> offload_candidates(prof, OffloadOptions(), [400 << 20, 600 << 20])
@@ -227,7 +228,12 @@ def offload_candidates(
     if len(budgets) > most:
         budgets = [budgets[round(i * (len(budgets) - 1) / (most - 1))] for i in range(most)]
     model = with_engine_costs(build_chain(profile, settings={Offload: options}), profile)
-    plans = []
+    floor, pred = least_peak_offload(profile, options, model=model)
+    plans = [replace(floor, offload=options)]
+    if budgets and pred.peak_bytes < budgets[0]:
+        # Offload reaches below the curve without it: its frontier goes on there.
+        gap = budgets[0] - pred.peak_bytes
+        budgets = [pred.peak_bytes + gap // 3, pred.peak_bytes + 2 * gap // 3, *budgets]
     for budget in budgets:
         try:
             plans.append(solve_offload(profile, budget, options, model=model))
