@@ -17,7 +17,11 @@ Models: the zoo GPT and HF GPT-2 (profiled for real), and a Llama-3.2-1B-shaped
 model planned under fake tensors (accelerator op times only; nothing measured).
 For each model, link and time source: the Pareto frontier (predicted peak,
 predicted overhead over the plain step) of the DP without offload, and with
-keep / recompute / offload chosen jointly (``gradckpt.frontier(..., offload=)``).
+keep / recompute / offload chosen jointly (``gradckpt.frontier(..., offload=)``). A
+recomputed block may also move the input it keeps to host (``recompute_offload``), so
+the curve with offload goes on below the least peak without it wherever those inputs
+are part of that peak (floors, the plan at 0.9 x the floor without offload, and their
+runs: ``benchmarks/offload_floor.py``).
 
 What is measured (host-copy backend: saved bytes leave torch's allocator for a
 host store outside it): for every frontier point that offloads (25 GB/s, CPU
@@ -66,6 +70,8 @@ from gradckpt.profiling.fake import SPEEDS, estimate_time
 from gradckpt.testing import make
 
 LINKS = {"25 GB/s": 25e9, "400 GB/s": 400e9}
+#: Decisions that move bytes to host: a block's saved tensors, or a recomputed block's input.
+MOVING = ("offload", "recompute_offload")
 FULL = {
     "gpt": dict(layers=6, d_model=128, seq=128, batch=4),
     "hf-gpt2": dict(layers=4, hidden=128, seq=128),
@@ -119,7 +125,7 @@ def mib2(nbytes: float) -> str:
 def _curve(points) -> list[dict[str, Any]]:
     return [
         {"peak_bytes": p.peak_bytes, "overhead": p.overhead,
-         "offloaded": [u.path for u in p.plan.units if u.mode == "offload"]}
+         "offloaded": [u.path for u in p.plan.units if u.mode in MOVING]}
         for p in points
     ]  # fmt: skip
 
@@ -194,7 +200,7 @@ def _to_measure(prof, options, points, without, most: int = 6) -> list[gradckpt.
     plans += offload_candidates(prof, options, [p["peak_bytes"] for p in without], most=most)
     seen, out = set(), []
     for plan in plans:
-        if any(u.mode == "offload" for u in plan.units) and plan.items not in seen:
+        if any(u.mode in MOVING for u in plan.units) and plan.items not in seen:
             seen.add(plan.items)
             out.append(plan)
     return out
@@ -216,7 +222,8 @@ def _measure(ex, prof: gradckpt.Profile, plan: gradckpt.Plan) -> dict[str, Any]:
     )
     return {
         "offloaded": [u.path for u in plan.units if u.mode == "offload"],
-        "other": {u.path: u.mode for u in plan.units if u.mode not in ("keep", "offload")},
+        "boundaries": [u.path for u in plan.units if u.mode == "recompute_offload"],
+        "other": {u.path: u.mode for u in plan.units if u.mode not in ("keep", *MOVING)},
         "predicted_peak_bytes": pred.peak_bytes,
         "measured_peak_bytes": peak, "predicted_host_bytes": pred.host_bytes,
         "measured_host_bytes": host, "gradients_bit_equal": equal,
@@ -266,13 +273,15 @@ def render(data: dict[str, Any]) -> str:
             lines += ["Nothing measured: planned under fake tensors (too big for this machine).",
                       ""]  # fmt: skip
             continue
-        rows = [[", ".join(m["offloaded"]), ", ".join(f"{k}: {v}" for k, v in m["other"].items())
+        rows = [[", ".join(m["offloaded"]) or "-", ", ".join(m.get("boundaries", ())) or "-",
+                 ", ".join(f"{k}: {v}" for k, v in m["other"].items())
                  or "-", mib2(m["predicted_peak_bytes"]), mib2(m["measured_peak_bytes"]),
                  mib2(m["predicted_host_bytes"]), mib2(m["measured_host_bytes"]),
                  "yes" if m["gradients_bit_equal"] else "**NO**"] for m in result["measured"]]  # fmt: skip
         lines += ["Measured (host-copy backend) for the offloading plans of the 25 GB/s, cpu "
                   "setting (frontier points, and plans at up to six budgets):", "", markdown_table(
-            ["offloaded", "other decisions", "predicted peak (MiB)", "measured peak, allocator "
+            ["offloaded", "input offloaded (recompute_offload)", "other decisions",
+             "predicted peak (MiB)", "measured peak, allocator "
              "(MiB)", "predicted host (MiB)", "measured host (MiB)", "gradients bit-equal"],
             rows), ""]  # fmt: skip
     lines += ["## Machine", "", info_block(data["info"])]

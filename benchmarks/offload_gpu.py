@@ -13,7 +13,10 @@ On the zoo GPT, after measuring the link (pinned copies of 256 MiB each way):
   for torchtune's ``OffloadActivations`` + AC (torchtune is not installed here);
 * ``gradckpt``: the DP plan (no offload) at the budget ``full_ckpt`` measured;
 * ``gradckpt_offload``: keep / recompute / offload chosen jointly at that budget,
-  over the link as measured.
+  over the link as measured;
+* ``gradckpt_offload_floor``: without segments, at the least peak with offload
+  (recomputed blocks' inputs moved to host too: below the least peak without), on
+  the CUDA backend: within that budget at the allocator, gradients, host bytes.
 
 Each: the allocator's peak of one step, the median step time of interleaved
 rounds, and whether the gradients match the plain step's (bit-equal, or the
@@ -155,7 +158,11 @@ def run_offload_contenders(dry: bool, device: str, log: Callable[[str], None]) -
         peak, grads = _run(ex, installs[name], device)
         rows[name] = {"peak_bytes": peak, "grads": grads, "predicted_peak_bytes":
                       plan.predicted_peak_bytes, "predicted_overhead": plan.predicted_overhead,
-                      "offloaded": [u.path for u in plan.units if u.mode == "offload"]}  # fmt: skip
+                      "offloaded": [u.path for u in plan.units
+                                    if u.mode in ("offload", "recompute_offload")]}  # fmt: skip
+    floor_row = _below_the_floor(ex, prof, options, device, notes)
+    if floor_row is not None:
+        installs["gradckpt_offload_floor"], rows["gradckpt_offload_floor"] = floor_row
     medians = _time(ex, installs, device, rounds=2 if dry else 5)
     base = rows["plain"]["grads"]
     for name, row in rows.items():
@@ -164,6 +171,46 @@ def run_offload_contenders(dry: bool, device: str, log: Callable[[str], None]) -
         row["max_grad_diff"] = _grad_gap(base, row.pop("grads"))
     return {"budget_bytes": budget, "d2h_bandwidth": d2h, "h2d_bandwidth": h2d,
             "rows": rows, "notes": notes, "dry_run": dry}  # fmt: skip
+
+
+def _below_the_floor(ex: Example, prof, options, device: str, notes: list[str]):
+    """The plan at the least peak with offload, block inputs moved too, without segments
+    (where moving them lowers the floor most); its install and row, or None.
+
+    The row says the budget, the floor without offload, the host bytes the backend held
+    (the CUDA backend's pinned pool: at most the host budget) and what was predicted.
+    """
+    from gradckpt.apply.apply import applied_units
+    from gradckpt.engine.offload.runtime import OffloadRuntime
+    from gradckpt.planning import simulate
+    from gradckpt.planning.kinds.offload.floor import least_peak_offload
+    from gradckpt.planning.solving.solvers import least_peak_plan
+
+    _, without = least_peak_plan(prof, segments=False)
+    _, floor = least_peak_offload(prof, options, segments=False)
+    try:
+        plan = gradckpt.plan(ex.model, ex.loss_fn, floor.peak_bytes, profile=prof,
+                             segments=False, offload=options)  # fmt: skip
+    except gradckpt.BudgetError as e:
+        notes.append(f"gradckpt_offload_floor: no plan at {floor.peak_bytes} B: {str(e)[:200]}")
+        return None
+    install = with_plan(plan)
+    peak, grads = _run(ex, install, device)
+    undo = install(ex)  # one more step, for the host bytes of a fresh session
+    try:
+        make_step(ex)()
+        runtimes = [s.runtime for s in applied_units(ex.model).values()
+                    if isinstance(s.runtime, OffloadRuntime) and s.runtime.session is not None]  # fmt: skip
+        host = runtimes[0].session.backend.peak_host_bytes if runtimes else 0
+    finally:
+        undo()
+    row = {"peak_bytes": peak, "grads": grads, "budget_bytes": floor.peak_bytes,
+           "floor_without_bytes": without.peak_bytes, "within_budget": peak <= floor.peak_bytes,
+           "predicted_peak_bytes": plan.predicted_peak_bytes,
+           "predicted_overhead": plan.predicted_overhead,
+           "predicted_host_bytes": simulate(prof, plan).host_bytes, "host_bytes": host,
+           "offloaded": [u.path for u in plan.units if u.mode in ("offload", "recompute_offload")]}  # fmt: skip
+    return install, row
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -184,5 +231,12 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {mib(r['peak_bytes'])} | {mib(r.get('predicted_peak_bytes'))} "
                      f"| {ratio} | {r['max_grad_diff']:.2e} | "
                      f"{len(r.get('offloaded', [])) or '-'} |")  # fmt: skip
+    floor = result["rows"].get("gradckpt_offload_floor")
+    if floor is not None:
+        lines += ["", "gradckpt_offload_floor: planned without segments at the least peak with "
+                  f"offload ({mib(floor['budget_bytes'])} MiB; without offload the least is "
+                  f"{mib(floor['floor_without_bytes'])} MiB): measured peak within it: "
+                  f"{'yes' if floor['within_budget'] else '**NO**'}; host bytes "
+                  f"{mib(floor['host_bytes'])} MiB (predicted {mib(floor['predicted_host_bytes'])})."]  # fmt: skip
     lines += [f"- {n}" for n in result["notes"]]
     return lines

@@ -165,3 +165,17 @@ def test_a_decision_naming_another_argument_is_refused_clearly(zoo):
         gradckpt.remove(ex.model)
     with pytest.raises(ValueError, match="flat argument position"):
         RecomputeOffload(-1)
+
+
+def test_summary_and_explain_say_the_input_moves(zoo):
+    _, prof, _ = zoo.get("gpt")
+    plan = _plan(prof, _boundary)
+    assert "blocks.1                     recompute  input to host after its forward" in (
+        plan.summary()
+    )
+    explanation = gradckpt.explain(prof, plan=plan)
+    moved = {r.why for r in explanation.rows if r.status == "offloaded"}
+    assert "input of recomputed blocks.1 to host after blocks.1's forward, back at " \
+           "blocks.2's backward" in moved  # fmt: skip
+    decisions = {u.path: u.decision for u in explanation.units}
+    assert "back at blocks.2 backward" in decisions["blocks.1"]

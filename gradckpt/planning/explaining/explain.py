@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from gradckpt.engine.decisions import Offload
+from gradckpt.engine.decisions import Offload, RecomputeOffload
 from gradckpt.planning.explaining.explanation import (
     OUTSIDE,
     STATUSES,
@@ -91,7 +91,8 @@ def _plain(prof: Profile) -> Plan:
 
 def _offloads(plan: Plan) -> bool:
     """Whether any top-level unit of ``plan`` is offloaded to host memory."""
-    return any(isinstance(getattr(i, "decision", None), Offload) for i in plan.items)
+    moving = (Offload, RecomputeOffload)  # saved tensors, or a recomputed unit's input
+    return any(isinstance(getattr(i, "decision", None), moving) for i in plan.items)
 
 
 def _label(region: Region, prof: Profile) -> str:
@@ -162,6 +163,8 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
                 status, why = "offloaded", moved[sid]
             else:
                 why = f"{path(unit)} runs plainly: kept"
+        elif sid in input_of and sid in moved:  # a recomputed unit's input, offloaded
+            unit, status, why = input_of[sid].units[0], "offloaded", moved[sid]
         elif sid in input_of:
             region = input_of[sid]
             unit, status = region.units[0], "region input"
@@ -202,14 +205,14 @@ def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
     if plan is None or not _offloads(plan):
         return {}
     effect = offload_effect(prof, plan, plan.offload)
-    units = list(effect.units)
     out = {}
-    for i, m in enumerate(units):
+    for m in effect.units:
         if m.held:
             continue
-        back = units[i + 1].path if m.load != m.need else m.path
         for sid in m.storages:
-            out[sid] = f"offloaded to host after {m.path}'s forward, back at {back}'s backward"
+            what = "input of recomputed " + m.path if m.boundary else "offloaded"
+            out[sid] = (f"{what} to host after {m.path}'s forward, back at "
+                        f"{m.loaded_by}'s backward")  # fmt: skip
     return out
 
 
