@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -135,3 +137,48 @@ def test_offload_wins_when_recompute_is_dear_and_the_link_is_hidden():
     # (Identical stages: a single price would switch both at once; the pricing breaks ties.)
     assert sorted(node.option for node in tree) == [0, 1, 2]
     assert seconds == 1.1 + 3.0 + 1.0
+
+
+@st.composite
+def four_choice_stage(draw, scale):
+    """Keep, recompute, offload, and recompute with its input offloaded (``kept`` < 0:
+    the stage frees its input between its forward and backward)."""
+    stage = draw(three_choice_stage(scale))
+    fine = lambda top: draw(st.integers(0, top * scale))  # noqa: E731
+    recompute = stage.options[1]
+    boundary = Option(
+        "recompute_offload",
+        -stage.input,  # its input leaves the device
+        recompute.fwd + fine(2),  # the stash holds the previous input a little longer
+        NEVER,  # never inside a segment's recompute
+        recompute.bwd + fine(3),  # the prefetched input is live during the backward
+        recompute.time + draw(st.integers(0, 4)),  # the stall the link leaves
+    )
+    return Stage(stage.input, (*stage.options, boundary), stage.none, stage.none_nested,
+                 stage.fwd_time, stage.joins_previous, stage.grad)  # fmt: skip
+
+
+@st.composite
+def four_choice_chains(draw, max_stages=4):
+    scale = draw(st.integers(1, 3))
+    n = draw(st.integers(1, max_stages))
+    stages = [draw(four_choice_stage(scale)) for _ in range(n)]
+    first = stages[0]
+    boundary = replace(first.options[3], kept=0)  # the chain's own input: none to free
+    stages[0] = Stage(0, (*first.options[:3], boundary), first.none, first.none_nested,
+                      first.fwd_time, first.joins_previous, first.grad)  # fmt: skip
+    # Above every schedule's need: the tables are flat there, as in real chains (whose
+    # capacity is above the plain schedule's), so reading past the grid is exact.
+    return Chain(tuple(stages), capacity=64, scale=scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(four_choice_chains())
+def test_dp_with_offloaded_inputs_equals_brute_force_at_every_budget(chain):
+    dp = ChainDP(chain)
+    for m in range(chain.capacity + 1):
+        best, tree = brute_force(chain, m)
+        assert dp.best_time(m) == best, f"m={m}"
+        if tree is not None:
+            need, seconds = evaluate(chain, dp.schedule(m))
+            assert need <= m and seconds == best
