@@ -47,7 +47,7 @@ from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import simulate
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.solve import solve
-from gradckpt.planning.solving.solvers import least_peak_plan
+from gradckpt.planning.solving.solvers import _where, least_peak_plan
 from gradckpt.testing import make
 
 OPTIONS = gradckpt.OffloadOptions(d2h_bandwidth=25e9, h2d_bandwidth=25e9, min_bytes=1024)
@@ -137,6 +137,10 @@ def run_model(family: str, sizes: dict[str, Any]) -> dict[str, Any]:
             "floor_with": with_offload.peak_bytes,
             "overhead_at_floor_with": with_offload.overhead,
             "host_at_floor_with": with_offload.host_bytes,
+            # Where each floor's peak is: a boundary held at the start of backward can
+            # move; parameters, gradients and one block's recompute at its end cannot.
+            "floor_without_at": _where(prof, without.peak_position),
+            "floor_with_at": _where(prof, with_offload.peak_position),
             "at_0.9": {k: v for k, v in tenth.items() if k != "plan"},
             "near_overhead_without": near_without.get("overhead"),
             "near_overhead_with": near_with.get("overhead"),
@@ -176,7 +180,8 @@ def render(data: dict[str, Any]) -> str:
             rows.append([name, label, _mib(c["floor_without"]), _pct(c["overhead_at_floor_without"]),
                          _mib(c["floor_with"]), _pct(c["overhead_at_floor_with"]),
                          f"{c['floor_with'] / c['floor_without']:.3f}", _mib(c["host_at_floor_with"]),
-                         verdict, _pct(c["near_overhead_without"]), _pct(c["near_overhead_with"])])  # fmt: skip
+                         verdict, _pct(c["near_overhead_without"]), _pct(c["near_overhead_with"]),
+                         c["floor_without_at"], c["floor_with_at"]])  # fmt: skip
             m = c["floor_plan_run"]
             runs.append([name, label, ", ".join(m["modes"]), _mib(m["predicted_peak_bytes"]),
                          _mib(m["measured_peak_bytes"]), _mib(m["predicted_host_bytes"]),
@@ -186,7 +191,8 @@ def render(data: dict[str, Any]) -> str:
         ["model", "segments", "least peak without (MiB)", "its overhead",
          "least peak with offload (MiB)", "its overhead", "with / without",
          "host at it (MiB)", "offload= at 0.9 x floor without", "overhead at 1.02 x, without",
-         "with offload"], rows), ""]  # fmt: skip
+         "with offload", "floor without: peak during", "floor with: peak during"], rows),
+        ""]  # fmt: skip
     lines += ["The leanest plan with offload, run (host-copy backend):", "", markdown_table(
         ["model", "segments", "decisions", "predicted peak (MiB)", "allocator peak (MiB)",
          "predicted host (MiB)", "measured host (MiB)", "gradients bit-equal"], runs), ""]  # fmt: skip
