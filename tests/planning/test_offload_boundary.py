@@ -170,9 +170,9 @@ def test_a_decision_naming_another_argument_is_refused_clearly(zoo):
 def test_summary_and_explain_say_the_input_moves(zoo):
     _, prof, _ = zoo.get("gpt")
     plan = _plan(prof, _boundary)
-    assert "blocks.1                     recompute  input to host after its forward" in (
-        plan.summary()
-    )
+    text = plan.summary()
+    assert "blocks.1                     recompute  input to host after its forward" in text
+    assert "offload: 4 unit(s) to host memory over 25 GB/s" in text
     explanation = gradckpt.explain(prof, plan=plan)
     moved = {r.why for r in explanation.rows if r.status == "offloaded"}
     assert "input of recomputed blocks.1 to host after blocks.1's forward, back at " \

@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any, Union
 
 from gradckpt._versioned import check_header
-from gradckpt.engine.decisions import KEEP, Decision, Offload, Selective, decision_from_json
+from gradckpt.engine.decisions import (
+    KEEP,
+    Decision,
+    Offload,
+    RecomputeOffload,
+    Selective,
+    decision_from_json,
+)
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.errors import PlanFormatError, check_plan_fields
@@ -304,7 +311,10 @@ def _offload_when(path: str, offloaded: list[str], prefetch: bool) -> str:
 
 
 def _offload_head(plan: Plan) -> list[str]:
-    units = [u for u in plan.items if isinstance(getattr(u, "decision", None), Offload)]
+    # Top-level units that move bytes to host: their saved tensors, or (recompute_offload)
+    # the input their region keeps.
+    moving = (Offload, RecomputeOffload)
+    units = [u for u in plan.items if isinstance(getattr(u, "decision", None), moving)]
     if not units:
         return []
     o = plan.offload or OffloadOptions()
