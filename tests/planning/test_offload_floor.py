@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
+from gradckpt.apply.apply import applied_units
 from gradckpt.engine.decisions import RecomputeOffload
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.kinds.offload.solve import offload_candidates, solve_offload
@@ -116,3 +117,25 @@ def test_the_frontier_with_offload_reaches_below_the_floor_without(narrow):
         min(p.predicted_peak_bytes for p in plans)
         <= least_peak_offload(prof, OPTIONS)[1].peak_bytes
     )
+
+
+def test_a_binding_host_budget_is_held_by_the_plan_and_the_run(narrow):
+    ex, prof, plain = narrow
+    _, free = least_peak_offload(prof, OPTIONS, segments=False)
+    limit = free.host_bytes // 2  # room for half the inputs the floor moves
+    options = OffloadOptions(min_bytes=1024, host_budget=limit)
+    _, floor = least_peak_offload(prof, options, segments=False)
+    assert 0 < floor.host_bytes <= limit
+    _, without = least_peak_plan(prof, segments=False)
+    assert free.peak_bytes <= floor.peak_bytes < without.peak_bytes
+    plan = solve(prof, floor.peak_bytes, segments=False, offload=options)
+    gradckpt.apply(ex.model, plan)
+    try:
+        step = run_step(ex)
+        runtime = next(s.runtime for s in applied_units(ex.model).values()
+                       if s.runtime is not None)  # fmt: skip
+    finally:
+        gradckpt.remove(ex.model)
+    assert_same_step(plain, step)
+    assert step.peak <= floor.peak_bytes  # at the allocator
+    assert runtime.session.backend.peak_host_bytes <= limit

@@ -8,8 +8,10 @@ wherever the boundaries are a real share of it. :func:`least_peak_offload`
 finds it the way :func:`~gradckpt.planning.solving.solvers.least_peak_plan`
 finds the floor without: the offload chain's DP at its least feasible budget,
 pushed lower by the simulator-checked repair moves, beside the uniform plans
-(every block's boundary moved; every block offloaded) and the floor without
-offload, keeping those whose host bytes fit the host budget.
+(every block's boundary moved; every block offloaded; under a host budget, as
+many boundaries as it holds, from either end) and the floor without offload,
+keeping those whose host bytes fit the host budget (a search over these
+candidates, not an optimum, when the host budget binds).
 
 Example:
     >>> plan, pred = least_peak_offload(prof, OffloadOptions())
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 from gradckpt.engine.decisions import KEEP, RECOMPUTE, Offload, RecomputeOffload
 from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.kinds.offload.boundary import offloadable_boundary
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
-from gradckpt.planning.simulation.simulate import Prediction
+from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solving.baselines import finish
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
@@ -35,13 +38,28 @@ from gradckpt.profiling.records import Profile
 __all__ = ["least_peak_offload", "offload_budget_error"]
 
 
-def _uniform(model: ChainModel, profile: Profile, options: OffloadOptions, kind: type) -> Plan:
-    """Every block as its option of ``kind`` (recompute where it has none); the rest kept."""
-    items = []
-    for unit, choices in zip(model.units, model.options):
+def _uniform(
+    model: ChainModel, profile: Profile, options: OffloadOptions, kind: type,
+    room: int | None = None, reverse: bool = False,
+) -> Plan:  # fmt: skip
+    """Every block as its option of ``kind`` (recompute where it has none); the rest kept.
+
+    ``room``: host bytes the moved inputs may take (``RecomputeOffload`` only); blocks
+    past it, taken in forward order (``reverse``: backward order), are recomputed.
+    """
+    decided: dict[str, object] = {}
+    pairs = list(zip(model.units, model.options))
+    for unit, choices in reversed(pairs) if reverse else pairs:
         found = next((c for c in choices if isinstance(c, kind)), RECOMPUTE)
-        items.append(UnitChoice(unit.path, found if unit.is_block else KEEP))
-    return Plan(tuple(items), profile.fingerprint, offload=options)
+        if room is not None and found is not RECOMPUTE:
+            sid = offloadable_boundary(profile, unit, options.min_bytes)
+            size = profile.storages[sid].nbytes if sid is not None else 0
+            if size > room:
+                found = RECOMPUTE
+            room -= size if found is not RECOMPUTE else 0
+        decided[unit.path] = found if unit.is_block else KEEP
+    items = tuple(UnitChoice(u.path, decided[u.path]) for u in model.units)
+    return Plan(items, profile.fingerprint, offload=options)
 
 
 def least_peak_offload(
@@ -64,11 +82,14 @@ def least_peak_offload(
     m = dp.least_feasible()
     plans = [_uniform(model, profile, options, RecomputeOffload),
              _uniform(model, profile, options, Offload)]  # fmt: skip
+    if options.host_budget is not None:  # as many inputs as the host holds, from either end
+        plans += [_uniform(model, profile, options, RecomputeOffload, options.host_budget, r)
+                  for r in (False, True)]  # fmt: skip
     if m is not None:
         plans.insert(0, Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=options))
     for plan in plans:
-        plan, pred = repair(profile, plan, 0, model)
-        candidates.append((plan, pred))
+        # Repaired (lower, but its moves may offload more than the host holds) and as built.
+        candidates += [repair(profile, plan, 0, model), (plan, simulate(profile, plan))]
     limit = options.host_budget
     fitting = [(p, q) for p, q in candidates if limit is None or q.host_bytes <= limit]
     plan, pred = min(fitting, key=lambda pair: pair[1].peak_bytes)  # the first on ties
