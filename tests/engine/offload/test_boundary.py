@@ -79,3 +79,20 @@ def test_only_the_named_input_moves():
         h = run_boundary_offloaded(session, f"b{i}", region, h, tuple(block.parameters()))
     h.sum().backward()
     assert backend.peak_host_bytes == 2 * x.nbytes  # the two chain inputs, not `shared`
+
+
+def test_a_second_backward_over_the_graph_loads_the_inputs_again():
+    blocks, x = _blocks(n=3), torch.randn(256, 64)
+    session = OffloadSession(HostCopyBackend(), min_bytes=1024)
+    torch.manual_seed(1)
+    h = x
+    for i, block in enumerate(blocks):
+        region = lambda block=block, h=h, i=i: run_checkpointed(block, (h,), {}, name=f"b{i}")  # noqa: E731
+        h = run_boundary_offloaded(session, f"b{i}", region, h, tuple(block.parameters()))
+    loss = h.square().sum()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in blocks.parameters()]
+    blocks.zero_grad(set_to_none=True)
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, blocks.parameters()))
+    assert ("load", "b0", "again") in session.events  # brought back a second time
