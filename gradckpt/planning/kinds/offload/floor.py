@@ -97,22 +97,24 @@ def least_peak_offload(
 
 
 def offload_budget_error(
-    budget: int, without: BudgetError, with_offload: Prediction, options: OffloadOptions
+    without: BudgetError, with_offload: Prediction, options: OffloadOptions
 ) -> BudgetError:
-    """The :class:`BudgetError` of a budget no plan meets with offload either: both floors.
+    """The :class:`BudgetError` of a budget no plan meets with offload either: both floors
+    (``without``: the error without offload; ``with_offload``: the leanest plan's prediction).
 
     Example:
-        >>> raise offload_budget_error(budget, error, least_peak_offload(prof, o)[1], o)
+        >>> raise offload_budget_error(error, least_peak_offload(prof, o)[1], o)
     """
     host = "" if options.host_budget is None else (
         f" within the host budget of {format_bytes(options.host_budget)}"
     )  # fmt: skip
     floor = with_offload.peak_bytes
     return BudgetError(
-        f"{without} With offload{host}, the least peak is {format_bytes(floor)} "
+        # Rounded up, as the message before it: a budget of what it says fits.
+        f"{without} With offload{host}, the least peak is {format_bytes(floor, round_up=True)} "
         f"({floor} bytes; {format_bytes(with_offload.host_bytes)} on the host), against "
-        f"{format_bytes(without.least_peak_bytes or 0)} without: offload moves what blocks "
-        "save and the inputs recomputed blocks keep, but parameters, gradients and one "
-        "block's recompute stay on the device.",
+        f"{format_bytes(without.least_peak_bytes or 0, round_up=True)} without: offload "
+        "moves what blocks save and the inputs recomputed blocks keep, but parameters, "
+        "gradients and one block's recompute stay on the device.",
         least_peak_bytes=min(floor, without.least_peak_bytes or floor),
     )

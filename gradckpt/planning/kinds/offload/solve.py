@@ -204,7 +204,7 @@ def solve_offload(
         # leanest plan with offload (repaired on the simulator) may still fit.
         floor, pred = least_peak_offload(profile, options, model=model, segments=segments)
         if pred.peak_bytes > budget:
-            raise offload_budget_error(budget, error, pred, options)
+            raise offload_budget_error(error, pred, options)
         found, _ = finish(profile, floor, budget, "dp", pred)
     if found is not None:
         candidates.append(found)
