@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from gradckpt.planning.plans.planset import ShapeKey
 
 if TYPE_CHECKING:
-    from gradckpt.apply.guard import ShapeGuard
+    from gradckpt.apply.guard_routing import ShapeGuard
 
 __all__ = ["Learning", "finish", "learning", "start"]
 
