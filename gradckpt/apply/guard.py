@@ -41,7 +41,7 @@ from gradckpt.apply.guard_routing import (
     ShapeGuard,
     ShapeStats,
 )
-from gradckpt.planning.plans.planset import as_written
+from gradckpt.planning.plans.call_key import as_written
 from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gradckpt.planning.plans.planset import ShapeKey
+from gradckpt.planning.plans.call_key import ShapeKey
 
 if TYPE_CHECKING:
     from gradckpt.apply.guard_routing import ShapeGuard

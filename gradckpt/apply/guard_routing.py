@@ -1,7 +1,7 @@
 """A model's plans by input shape, and where each call goes: the shape guard's decisions.
 
 A plan's predicted peak holds for the shape it was made at. :class:`ShapeGuard`
-compares each call's :class:`~gradckpt.planning.plans.planset.ShapeKey` with the
+compares each call's :class:`~gradckpt.planning.plans.call_key.ShapeKey` with the
 active plan's (:meth:`ShapeGuard.on_call`, run by the model's root wrapper
 before any op of the call, through :func:`gradckpt.apply.guard.check`):
 
@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, start
 from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.plans.call_key import ShapeKey, shape_key
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.plans.planset import ShapeKey, shape_key
 from gradckpt.planning.solving.budget import BudgetError
 
 __all__ = ["POLICIES", "Planner", "Predictor", "ShapeError", "ShapeGuard", "ShapeStats"]
