@@ -7,8 +7,9 @@ the step at a new shape fake tensors cannot profile
 (:mod:`gradckpt.compiled.hold`). Each step starts from the gradients, buffers
 and RNG the caller's :class:`~gradckpt.profiling.state.StepState` snapshotted
 (so every step, and the user's own after them, runs as a plain model's would),
-adopts the leaves outside the model its graph reaches, and runs backward under
-:class:`~gradckpt.measure.AllocatorTracker`. Putting the plan on the model (and
+adopts the leaves outside the model its graph reaches, and runs forward and
+backward under :class:`~gradckpt.measure.AllocatorTracker` (:func:`timed_step`:
+timed only, for warm-ups and later rounds). Putting the plan on the model (and
 taking it off) stays with the caller: each does it its own way (a plain model,
 a shape guard's plan to put back, a compiled model).
 
