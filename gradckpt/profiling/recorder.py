@@ -361,9 +361,7 @@ class RecordMode(TorchDispatchMode):
         (:data:`REPLAY_MARKS` + index): the first run's outputs are still held, and
         what the replays allocate on top of them is no part of the step's peak."""
         assert self.probe is not None
-        made = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
-                   if isinstance(t, torch.Tensor) and t.layout == torch.strided)  # fmt: skip
-        if not needs_replay(func, grown, made):
+        if not needs_replay(func, grown, out):
             return grown
         handle = open_mark(REPLAY_MARKS + index) if self.mark_ops else None
         try:

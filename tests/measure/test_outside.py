@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.measure.outside import noise_bytes, rss_probe, unavailable
+from gradckpt.measure.outside import SWITCH, noise_bytes, rss_probe, unavailable
 from gradckpt.profiling import workspace
 from gradckpt.testing import make
 
@@ -77,6 +77,46 @@ def test_without_a_probe_the_profile_is_todays_and_says_why_once(monkeypatch, ca
     assert len(said) == 1 and "not Linux" in said[0].message
     assert first.peak_level == "allocator"
 
+
+def _profiled_readings(monkeypatch) -> int:
+    """Resident-growth readings the allocator pass of one CPU profile recorded."""
+    readings = []
+    counted = workspace.outside_bytes
+
+    def counting(recorder, spans):
+        readings.append(len(recorder.resident_growth))
+        return counted(recorder, spans)
+
+    monkeypatch.setattr(workspace, "outside_bytes", counting)
+    ex = make("mlp", blocks=2, width=32)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    assert prof.peak_level == "allocator" and readings  # the allocator pass ran
+    return max(readings)
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_the_switch_turns_the_probe_off_and_says_so(monkeypatch, caplog, value) -> None:
+    monkeypatch.setenv(SWITCH, value)
+    monkeypatch.setattr(workspace, "_said_unavailable", False)
+    with caplog.at_level(logging.INFO, logger=workspace.__name__):
+        assert _profiled_readings(monkeypatch) == 0
+    said = [r.message for r in caplog.records if "outside torch's allocator" in r.message]
+    assert said == [
+        f"memory CPU kernels take outside torch's allocator is not measured: switched off "
+        f"({SWITCH}={value})"
+    ]
+    with rss_probe() as probe:
+        assert probe is None
+
+
+@needs_probe
+@pytest.mark.parametrize("value", [None, "1"])
+def test_the_probe_runs_with_the_switch_unset_or_on(monkeypatch, value) -> None:
+    if value is None:
+        monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, value)
+    assert _profiled_readings(monkeypatch) > 0
 
 # Runs in the child: a dilated convolution's input gradient (what DeepLab's atrous
 # pyramid runs in backward), and an undilated one, each under the probe and the
