@@ -8,16 +8,20 @@ beside them cannot be imported; each fixture here returns the helper function.
 * ``assert_steps_close(ref, got, atol)``: two such results agree within ``atol``.
 * ``blocks_plan(ex, mode="recompute", blocks=None)``: a plan that gives the
   example's blocks (or ``blocks``) ``mode`` and keeps every other unit.
+* ``peak_and_grads(model, step, seed=0)``: one seeded ``step().backward()``, its
+  whole peak at the allocator (the model's state included) and its gradients.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from torch import nn
 
+from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan, UnitChoice
 from gradckpt.profiling import find_units, model_fingerprint
 from gradckpt.testing import Example
@@ -66,6 +70,22 @@ def _blocks_plan(ex: Example, mode: str = "recompute", blocks: Sequence[str] | N
     return Plan(tuple(items), model_fingerprint(ex.model))
 
 
+def _peak_and_grads(
+    model: nn.Module, step: Callable[[], torch.Tensor], seed: int = 0
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """``step().backward()`` from ``seed``: the model's parameters and buffers plus the
+    allocator's peak during it (kernel workspaces included), and a copy of each gradient
+    it made (parameters it did not reach have none). Gradients are cleared before and after.
+    """
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with AllocatorTracker() as allocator:
+        step().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return state_bytes(model) + allocator.peak_bytes, grads
+
+
 @pytest.fixture(scope="session")
 def loss_and_grads():
     """:func:`_loss_and_grads`."""
@@ -82,6 +102,12 @@ def assert_steps_close():
 def blocks_plan():
     """:func:`_blocks_plan`."""
     return _blocks_plan
+
+
+@pytest.fixture(scope="session")
+def peak_and_grads():
+    """:func:`_peak_and_grads`."""
+    return _peak_and_grads
 
 
 @pytest.fixture

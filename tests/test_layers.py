@@ -119,13 +119,20 @@ def test_no_module_imports_a_layer_above_its_own(path):
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+def _planted(tmp_path: Path, source: str) -> Path:
+    """A module of ``source`` beside the test, for the import walkers to read."""
+    path = tmp_path / "sample.py"
+    path.write_text(source)
+    return path
+
+
 def test_the_check_sees_an_upward_import(tmp_path):
     # The walker must see imports inside functions, as a lower layer's lazy
     # import of an upper one would be written.
-    source = tmp_path / "sample.py"
-    source.write_text(
+    source = _planted(
+        tmp_path,
         "def f():\n    from gradckpt.api import plan\n    import gradckpt.cli\n"
-        "from gradckpt import measure\n"
+        "from gradckpt import measure\n",
     )
     assert imports_of(source) == [(4, "gradckpt.measure"), (2, "gradckpt.api"),
                                   (3, "gradckpt.cli")] or sorted(imports_of(source)) == [
@@ -183,11 +190,11 @@ def test_no_planning_module_imports_a_part_above_its_own(path):
 
 def test_the_check_sees_an_upward_import_between_planning_parts(tmp_path):
     # A lazy import, and one for type checking only, as a circle is usually hidden.
-    source = tmp_path / "sample.py"
-    source.write_text(
+    source = _planted(
+        tmp_path,
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from gradckpt.planning.kinds.keep import KeepHandler\n"
-        "def f():\n    from gradckpt.planning.solving.chain import build_chain\n"
+        "def f():\n    from gradckpt.planning.solving.chain import build_chain\n",
     )
     assert len(upward_planning_imports(source, "gradckpt.planning.simulation.simulate")) == 2
     assert upward_planning_imports(source, "gradckpt.planning.solving.chain") != []  # kinds

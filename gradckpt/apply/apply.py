@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gradckpt.apply import guard as shape_guard
+from gradckpt.apply.calls import CallClock, CallsForward
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -24,6 +25,7 @@ from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
 from gradckpt.profiling.fingerprint import model_fingerprint
+from gradckpt.profiling.units import call_path, module_path
 
 __all__ = [
     "PlanMismatchError",
@@ -48,7 +50,7 @@ class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
     units: dict[str, UnitSpec]
-    installed: list[UnitForward | RootGuard] = field(default_factory=list)  # per modules entry
+    installed: list[UnitForward | CallsForward | RootGuard] = field(default_factory=list)  # per modules entry
     undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
 
 
@@ -107,7 +109,7 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
                 visit(item.items, [*enclosing, spec])
                 continue
             assert isinstance(item, UnitChoice)
-            module = modules.get(item.path)
+            module = modules.get(module_path(item.path))
             if module is None:
                 raise PlanMismatchError(
                     f"the plan names {item.path!r}, which this model does not have"
@@ -125,7 +127,42 @@ def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
             )  # fmt: skip
 
     visit(plan.items, [])
+    _check_calls(specs)
     return specs
+
+
+def _check_calls(specs: dict[str, UnitSpec]) -> None:
+    """A shared module's units must be its calls 0..n-1 (``path#k``), each once."""
+    calls: dict[str, list[str]] = {}
+    for path in specs:
+        calls.setdefault(module_path(path), []).append(path)
+    for module, paths in calls.items():
+        if paths == [module]:
+            continue
+        expected = [call_path(module, k, len(paths)) for k in range(len(paths))]
+        if len(paths) < 2 or sorted(paths) != sorted(expected):
+            raise PlanMismatchError(
+                f"the plan names {module!r} by the calls {sorted(paths)}; a module called "
+                f"several times per step needs one unit for every call ({module}#0, "
+                f"{module}#1, ...). Plan the model again."
+            )
+
+
+def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward | CallsForward]]:
+    """The forward to install on each planned module: a unit's, or its calls' (shared)."""
+    by_module: dict[str, list[UnitSpec]] = {}
+    for spec in specs.values():
+        by_module.setdefault(module_path(spec.path), []).append(spec)
+    clock = CallClock()  # shared by the model's shared modules: one step's calls
+    out: list[tuple[nn.Module, UnitForward | CallsForward]] = []
+    for path, group in by_module.items():
+        if len(group) == 1 and group[0].path == path:
+            out.append((group[0].module, make_wrapper(group[0], specs)))
+            continue
+        ordered = [specs[call_path(path, k, len(group))] for k in range(len(group))]
+        wrappers = [make_wrapper(spec, specs) for spec in ordered]
+        out.append((group[0].module, CallsForward(path, wrappers, clock)))
+    return out
 
 
 def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error") -> nn.Module:
@@ -232,12 +269,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
     specs = _specs(model, plan)  # validates everything before the model is touched
     installed = _Installed(plan, [], specs, undo=undo)
     try:
-        for spec in specs.values():
-            module = spec.module
+        for module, forward in _forwards(specs):
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
-            installed.installed.append(make_wrapper(spec, specs))
-            module.forward = installed.installed[-1]
+            installed.installed.append(forward)
+            module.forward = forward
         # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
         if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
@@ -285,7 +321,7 @@ def _refuse_segments_under_fsdp(model: nn.Module, plan: Plan) -> None:
         for item in items:
             if isinstance(item, Segment):
                 for path in item.paths:
-                    module = modules.get(path)
+                    module = modules.get(module_path(path))
                     sharded = fsdp_sharded(module) if module is not None else None
                     if sharded is not None:
                         name = f"segment[{item.paths[0]}..{item.paths[-1]}]"

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import apply, remove
+from gradckpt.apply.measured_step import measured_step, model_device, timed_step
 from gradckpt.apply.select import candidate_plans, pick_fastest
-from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.memory import format_bytes
 from gradckpt.measure.timing import work_clock
 from gradckpt.planning.planner import Planner
@@ -59,36 +59,21 @@ class _Runner:
         self.model, self.loss_fn, self.raw = model, loss_fn, raw
         self.guard = StepState(model)
         self.clock = work_clock(raw.device)
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = model_device(model)
 
     def run(self, plan: Plan, measure: bool) -> tuple[float, int | None]:
         """(step seconds, bytes the allocator held beyond the fake prediction or None)."""
         apply(self.model, plan)
         try:
-            self.guard.reset()
-            tracker = AllocatorTracker(self.device) if measure else None
-            start = self.clock()
-            if tracker is not None:
-                with tracker:
-                    self._step()
-            else:
-                self._step()
-            seconds = self.clock() - start
+            if not measure:
+                return timed_step(self.guard, self.loss_fn, self.device, self.clock), None
+            reading = measured_step(self.guard, self.loss_fn, self.device, self.clock)
         finally:
             remove(self.model)
-        if tracker is None:
-            return seconds, None
-        measured = self.raw.param_bytes + tracker.peak_bytes
+        measured = self.raw.param_bytes + reading.peak_bytes
         # On CUDA an out-of-memory error sees what the caching allocator reserved.
-        measured = max(measured, tracker.reserved_high_water_bytes or 0)
-        return seconds, measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
-
-    def _step(self) -> None:
-        loss = self.loss_fn()
-        self.guard.adopt_graph(loss)
-        loss.backward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        measured = max(measured, reading.reserved_high_water_bytes or 0)
+        return reading.seconds, measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
 
 
 def frugal_measured(

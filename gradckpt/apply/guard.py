@@ -1,67 +1,54 @@
-"""The shape guard: every call of a guarded model is checked against its plan's shape.
+"""The shape guard on a model: every call of a guarded model is checked against its plan's shape.
 
-A plan's predicted peak holds for the shape it was made at. The guard runs at
-the top of the model's root wrapper (before any op of the call) and compares
-the call's :class:`~gradckpt.planning.plans.planset.ShapeKey` with the active plan's:
+A plan's predicted peak holds for the shape it was made at. The guard
+(:class:`~gradckpt.apply.guard_routing.ShapeGuard`: the plans by shape, and where
+each call goes: switch, plan, warn or refuse) runs at the top of the model's
+root wrapper, before any op of the call (:func:`check`). This module is where it
+lives: installed on the model, found at each call, paused while gradckpt
+profiles the model, and asked for its stats; the guard's names are importable
+from here too.
 
-* same key: nothing to do (one tuple comparison after building the key);
-* a key with a cached plan: switch to it (re-install the wrappers, no planning);
-* a new key, by the guard's policy:
-
-  - ``"replan"``: plan for it now (the planner given by ``gradckpt.fit`` profiles
-    the call under fake tensors) under the same budget, cache and switch; if no
-    plan fits, raise :class:`~gradckpt.BudgetError` before anything runs, with
-    the old plan still installed;
-  - ``"warn"``: keep the old plan and warn once per key, naming the budget and
-    the old plan's predicted peak at the new shape;
-  - ``"error"``: raise before running.
-
-With ``round_up`` a key bounded in every dimension by a planned key runs under
-the smallest such plan (only for models whose peak is monotone in shape; see
-:func:`gradckpt.planning.plans.planset.proves_monotone`). Calls without grad (eval) are not
-guarded: nothing is kept for backward, so the plan does not matter.
-
-Every path that runs a plan has a guard: ``fit``'s (above), a plan set's, and
-``apply(model, plan)``'s, which warns (a plan alone records its units' input
+Every path that runs a plan has a guard: ``fit``'s (re-plans new shapes), a plan
+set's, and ``apply(model, plan)``'s, which warns (a plan alone records its units' input
 shapes, not the model call's key: the guard learns the key from the first call
 whose units all get the shapes they were planned for, and warns once for any
 other key). The guard lives on the model (in its ``__dict__``), so copies carry
 it: a ``copy.deepcopy`` keeps it whole (re-planning through the original's
 planner, which plans the same structure), a pickled or ``torch.save``'d copy
 keeps its plans, policy and budget but cannot plan, so ``"replan"`` becomes
-``"warn"`` there. An argument the key cannot read is named in one warning.
+``"warn"`` there (:mod:`gradckpt.apply.guard_copies`). An argument the key
+cannot read is named in one warning.
 
-The guard only decides; planning and predicting are given to it as callables
-(``gradckpt.fit`` builds them from the upper layers), and the switch is apply's.
+Example:
+    >>> install(model, ShapeGuard("warn", {None: plan}, None, None))
+    >>> print(shape_stats(model).summary())
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
-import time
-import warnings
-import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
-from gradckpt.apply import guard_copies
-from gradckpt.apply.guard_learning import Learning, finish, learning, start
-from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.plans.planset import ShapeKey, as_written, shape_key
-from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.apply.guard_learning import Learning, finish, learning
+from gradckpt.apply.guard_routing import (
+    POLICIES,
+    Planner,
+    Predictor,
+    ShapeError,
+    ShapeGuard,
+    ShapeStats,
+)
+from gradckpt.planning.plans.call_key import as_written
 from gradckpt.profiling.adapters import Adapter, register_adapter
 
 __all__ = [
     "POLICIES",
     "Learning",
+    "Planner",
+    "Predictor",
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
@@ -76,292 +63,8 @@ __all__ = [
     "shape_stats",
 ]
 
-POLICIES = ("replan", "warn", "error")
-
 # The attribute of the model's __dict__ that holds its guard (copied and pickled with it).
 _ATTR = "_gradckpt_shape_guard"
-
-Planner = Callable[[tuple, dict], Plan]  # (args, kwargs) of a call -> a plan for its shape
-Predictor = Callable[[Plan, tuple, dict], int]  # a plan's predicted peak at a call's shape
-
-
-class ShapeError(ValueError):
-    """A guarded model was called with a shape it has no plan for (policy ``"error"``)."""
-
-
-@dataclass(frozen=True)
-class ShapeStats:
-    """What the guard did so far: calls seen, plans held, plans made at runtime, switches.
-
-    Example:
-        >>> print(gradckpt.shape_stats(model).summary())
-    """
-
-    calls: int
-    plans: int
-    replans: int
-    replan_seconds: tuple[float, ...]
-    switches: int
-    warnings: int
-    policy: str
-    active: str
-    rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
-    recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
-    #: (shape, route) per planned shape: how it got its plan (gradckpt.replan.ROUTES)
-    routes: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def replan_seconds_total(self) -> float:
-        return sum(self.replan_seconds)
-
-    def summary(self) -> str:
-        """One line, e.g. for a training log."""
-        most = max(self.replan_seconds, default=0.0)
-        return (
-            f"gradckpt shapes: {self.plans} plan(s), {self.replans} planned during training "
-            f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s; {self.rescaled} by "
-            f"rescaling), {self.switches} "
-            f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s), "
-            f"{self.recompiles} torch._dynamo recompile(s); "
-            f"policy {self.policy}; active shape {self.active}"
-        )
-
-
-@dataclass(eq=False)
-class ShapeGuard:
-    """Per-model guard state: plans by shape, the active shape, policy and counters."""
-
-    policy: str
-    plans: dict[ShapeKey | None, Plan]
-    active: ShapeKey | None
-    switch: Callable[[Plan], None] | None  # None: a copy's, bound to it at its first call
-    planner: Planner | None = None
-    predictor: Predictor | None = None
-    round_up: bool = False
-    rescaled: Callable[[], int] | None = None  # how many plans the planner made by rescaling
-    recompiles: Callable[[], int] | None = None  # set by gradckpt.compile (integrations)
-    calls: int = 0
-    replans: list[float] = field(default_factory=list)
-    switches: int = 0
-    warned: set[ShapeKey] = field(default_factory=set)
-    note: str = ""  # why this guard warns rather than plans (a copy, a plan applied by hand)
-    unread: set[str] = field(default_factory=set)  # arguments already named as unreadable
-    owner: weakref.ref | None = None  # the model guarded (None: a copy, bound at its first call)
-    _busy: threading.local = field(default_factory=threading.local)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"on_new_shape must be one of {POLICIES}, got {self.policy!r}")
-        if self.policy == "replan" and self.planner is None:
-            raise ValueError(
-                'on_new_shape="replan" needs a planner: use gradckpt.fit(model, loss_fn, budget) '
-                'to get one, or apply a plan set with on_new_shape="warn" or "error"'
-            )
-
-    @property
-    def budget_bytes(self) -> int | None:
-        return next(iter(self.plans.values())).budget_bytes
-
-    def stats(self) -> ShapeStats:
-        return ShapeStats(
-            calls=self.calls,
-            plans=len(self.plans),
-            replans=len(self.replans),
-            replan_seconds=tuple(self.replans),
-            switches=self.switches,
-            warnings=len(self.warned),
-            policy=self.policy,
-            active=self.active.describe() if self.active is not None else "(not recorded)",
-            rescaled=self.rescaled() if self.rescaled is not None else 0,
-            recompiles=self.recompiles() if self.recompiles is not None else 0,
-        )
-
-    def on_call(self, args: tuple, kwargs: dict) -> Learning | None:
-        """Check one call before it runs; switch, plan, warn or raise as the policy says.
-
-        Returns the call's :class:`Learning` record when the plan's call shape is
-        not known yet (its units then check their inputs; see :func:`finish`).
-        """
-        if getattr(self._busy, "redispatched", False):
-            self._busy.redispatched = False  # this call was checked by the root it left
-            return None
-        if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
-            return None  # eval, or our own profiling call of the model
-        self.calls += 1
-        key = shape_key(args, kwargs)
-        if key == self.active:
-            if self.calls == 1:
-                self._name_unread(key)
-            return None
-        self._name_unread(key)
-        known = self.plans.get(key)
-        if known is not None:
-            self._switch(key, known)
-            return None
-        if self.round_up:
-            bound = _bounding(self.plans, key)
-            if bound is not None:
-                if bound[0] != self.active:
-                    self._switch(bound[0], bound[1])
-                return None
-        if self.active is None:
-            return self._learn(key)
-        if self.policy == "error":
-            raise ShapeError(
-                f"gradckpt: the model was called with inputs {key.describe()}, but it has plans "
-                f"only for {self._known()}; plan this shape too (gradckpt.fit(..., "
-                "shapes=[...])), or fit with on_new_shape='replan' or 'warn'"
-            )
-        if self.policy == "warn":
-            self._warn(key, args, kwargs)
-            return None
-        self._replan(key, args, kwargs)
-        return None
-
-    def _name_unread(self, key: ShapeKey) -> None:
-        # Once per argument: the key holds such an argument's type, not what it holds.
-        new = [u for u in key.unread() if u not in self.unread]
-        if not new:
-            return
-        self.unread.update(new)
-        warnings.warn(
-            f"gradckpt: the shape guard cannot read the model's argument(s) {', '.join(new)}: "
-            "a change inside them (a tensor's shape, a length) is not seen as a new shape, so "
-            "its plan is neither switched nor re-planned. Pass tensors, plain values, or "
-            "dicts/lists/tuples/dataclasses of them.",
-            stacklevel=5,
-        )
-
-    def _learn(self, key: ShapeKey) -> Learning | None:
-        """A call at ``key`` under a plan whose call shape is unknown: its units check it."""
-        if key in self.warned:
-            return None  # said once already: runs the plan, unchecked
-        (plan,) = self.plans.values()
-        if not plan.input_shapes:  # nothing to check against: the plan is taken as made for it
-            self.learned(key)
-            return None
-        return start(self, key)
-
-    def learned(self, key: ShapeKey) -> None:
-        """Record ``key`` as the call shape of the plan applied without one."""
-        if self.active is None and None in self.plans:
-            self.plans[key] = self.plans.pop(None)
-            self.active = key
-
-    def unit_mismatch(self, key: ShapeKey, path: str, planned: tuple, got: tuple) -> None:
-        """A unit of a call at ``key`` got inputs of another shape than its plan's: warn or raise."""
-        (plan,) = self.plans.values()
-        where = (
-            f"{path} was planned for inputs of shape {planned} but got {got} (model inputs "
-            f"{key.describe()})"
-        )
-        if self.policy == "error":
-            raise ShapeError(
-                f"gradckpt: {where}; plan this shape (gradckpt.plan(..., shapes=[...])), or "
-                "apply with on_new_shape='warn'"
-            )
-        self.warned.add(key)
-        self._say(where, plan, None)
-
-    def _known(self) -> str:
-        return "; ".join(k.describe() for k in self.plans if k is not None) or "(none recorded)"
-
-    def _switch(self, key: ShapeKey, plan: Plan) -> None:
-        assert self.switch is not None, "a copy's guard is bound at its model's first call"
-        self.switch(plan)
-        self.active = key
-        self.switches += 1
-
-    def _busy_call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # Planning is not part of the caller's step: dispatch modes around the
-        # call (a MemoryTracker, a FLOP counter) must not see the fake profile.
-        before = getattr(self._busy, "on", False)
-        self._busy.on = True
-        try:
-            with _disable_current_modes():
-                return fn(*args)
-        finally:
-            self._busy.on = before
-
-    def _warn(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
-        if key in self.warned:
-            return
-        self.warned.add(key)
-        plan = self.plans[self.active]
-        peak = (
-            self._busy_call(self.predictor, plan, args, kwargs)
-            if self.predictor is not None
-            else None
-        )
-        made_for = self.active.describe() if self.active else "?"
-        self._say(
-            f"the model was called with inputs {key.describe()}, but its plan was made for "
-            f"{made_for}",
-            plan,
-            peak,
-        )
-
-    def _say(self, what: str, plan: Plan, peak: int | None) -> None:
-        """The one warning of a new shape: what runs, its predicted peak, the budget."""
-        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
-        if peak is not None:
-            at = f"its predicted peak at this shape is {format_bytes(peak)}"
-        elif plan.predicted_peak_bytes:
-            at = (
-                f"its predicted peak is {format_bytes(plan.predicted_peak_bytes)} at the shape it "
-                "was made for and not known at this one (no planner)"
-            )
-        else:
-            at = "its peak at this shape is not known (no planner, no recorded prediction)"
-        warnings.warn(
-            f"gradckpt: {what}; running that plan (on_new_shape='warn'): {at}, against the "
-            f"budget of {budget}. To hold the budget at every shape, use gradckpt.fit(model, "
-            f"loss_fn, budget) (on_new_shape='replan') or plan the shapes "
-            f"(gradckpt.plan(..., shapes=[...])).{self.note}",
-            stacklevel=5,
-        )
-
-    def _replan(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
-        assert self.planner is not None
-        start = time.perf_counter()
-        try:
-            plan = self._busy_call(self.planner, args, kwargs)
-        except BudgetError as exc:
-            raise BudgetError(
-                f"gradckpt: no plan fits the budget at the new input shape {key.describe()} "
-                f"(of your step nothing ran; a planning step measured at this shape may have "
-                f"run over; the model keeps its plan for "
-                f"{self.active.describe() if self.active else '?'}). {exc}",
-                exc.least_peak_bytes,
-            ) from exc
-        finally:
-            self.replans.append(time.perf_counter() - start)
-        self.plans[key] = plan
-        self._switch(key, plan)
-
-    def bind(self, model: nn.Module) -> None:
-        """Make ``model`` the guarded one; a copy's guard then switches the copy's plans."""
-        self.owner = weakref.ref(model)
-        if self.switch is None:
-            from gradckpt.apply.apply import install_plan  # apply imports this module
-
-            self.switch = functools.partial(install_plan, model)
-
-    def copied(self, keep_planner: bool) -> ShapeGuard:
-        """This guard for a copy of its model (see :mod:`gradckpt.apply.guard_copies`)."""
-        return guard_copies.copied(self, keep_planner)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ShapeGuard:
-        return guard_copies.deepcopied(self, memo)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return guard_copies.reduced(self)
-
-
-def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
-    """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
-    found = [(k, p) for k, p in plans.items() if k is not None and key.bounded_by(k)]
-    return min(found, key=lambda kp: kp[0].numel()) if found else None
 
 
 def install(model: nn.Module, guard: ShapeGuard) -> None:

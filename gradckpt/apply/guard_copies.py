@@ -7,7 +7,7 @@ original under fake tensors, never the copy). A pickled copy keeps what is
 plain data (plans, active shape, policy, counters); closures do not travel, so
 a ``"replan"`` guard becomes a ``"warn"`` one and its warnings say why. Either
 copy is bound to its model (plan switches install on the copy) by
-:meth:`~gradckpt.apply.guard.ShapeGuard.bind`: at once for a deep copy, at the
+:meth:`~gradckpt.apply.guard_routing.ShapeGuard.bind`: at once for a deep copy, at the
 first call for a pickled one.
 
 Example:
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from gradckpt.apply.guard import ShapeGuard
+    from gradckpt.apply.guard_routing import ShapeGuard
 
 __all__ = ["NO_PLANNER", "copied", "deepcopied", "reduced", "unpickled"]
 

@@ -19,10 +19,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gradckpt.planning.plans.planset import ShapeKey
+from gradckpt.planning.plans.call_key import ShapeKey
 
 if TYPE_CHECKING:
-    from gradckpt.apply.guard import ShapeGuard
+    from gradckpt.apply.guard_routing import ShapeGuard
 
 __all__ = ["Learning", "finish", "learning", "start"]
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import applied_plan, install_plan, remove
-from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.apply.measured_step import measured_step, model_device
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
@@ -57,23 +57,17 @@ def step_peak(model: nn.Module, step: Callable[[], torch.Tensor], plan: Plan) ->
     """
     before = applied_plan(model)
     state = StepState(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         with adapters.preparing(model), state.watching_modules():
             install_plan(model, plan)
-            state.reset()
-            with AllocatorTracker(device) as tracker:
-                loss = step()
-                state.adopt_graph(loss)
-                loss.backward()
-                del loss
+            reading = measured_step(state, step, model_device(model))
     finally:
         state.restore()
         if before is not None:
             install_plan(model, before)
         elif applied_plan(model) is not None:
             remove(model)
-    return tracker.peak_bytes
+    return reading.peak_bytes
 
 
 def _whole_peak(

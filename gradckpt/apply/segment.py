@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradckpt.apply.calls import replaying
 from gradckpt.apply.specs import SegmentSpec, UnitSpec, call_in_region, fsdp_sharded, segment_error
 from gradckpt.engine.frame import Frame
 from gradckpt.engine.handoffs import Handoffs
@@ -52,19 +53,17 @@ class SegmentFrame(Frame):
         # what the hooks returned, so note it after them (the last unit's hooks run
         # after the segment closed).
         self._output_hooks = [
-            u.module.register_forward_hook(self._note_hooked_output)
-            for u in members[:-1]
-            if u.module._forward_hooks or nn.modules.module._global_forward_hooks
+            module.register_forward_hook(self._note_hooked_output)
+            for module in _distinct(u.module for u in members[:-1])
+            if module._forward_hooks or nn.modules.module._global_forward_hooks
         ]
         # Likewise a pre-hook may replace a unit's inputs: record them before the
         # pre-hooks run, and the replay (which calls the module) runs them again.
         self._raw_inputs: dict[int, tuple[list[Any], Any, list[int]]] = {}
         self._output_hooks += [
-            u.module.register_forward_pre_hook(
-                self._note_raw_inputs, prepend=True, with_kwargs=True
-            )
-            for u in members[1:]
-            if u.module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks
+            module.register_forward_pre_hook(self._note_raw_inputs, prepend=True, with_kwargs=True)
+            for module in _distinct(u.module for u in members[1:])
+            if module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks
         ]
 
     def _note_raw_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -155,10 +154,16 @@ class SegmentFrame(Frame):
                 args[chain_at] = previous
             call_args, call_kwargs = tree_unflatten(args, tree)
             module = self.units[path].module
-            with _hooks_skipped(module, pre=i == 0, post=i == last):
+            # A shared module's call is named: the replay runs the unit it was.
+            with _hooks_skipped(module, pre=i == 0, post=i == last), replaying(path):
                 out = module(*call_args, **call_kwargs)
             flat_out, _ = tree_flatten(out)
             previous = next((x for x in flat_out if isinstance(x, torch.Tensor)), None)
+
+
+def _distinct(modules: Iterator[nn.Module]) -> list[nn.Module]:
+    """Each module once (a shared module's calls may be several units of one segment)."""
+    return list({id(m): m for m in modules}.values())
 
 
 @contextlib.contextmanager

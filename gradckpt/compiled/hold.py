@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import remove
+from gradckpt.apply.measured_step import measured_step, model_device, timed_step
 from gradckpt.compiled.in_graph import compile as compile_planned
 from gradckpt.compiled.in_graph import restamp_compiled, uncompile
 from gradckpt.compiled.watch import unwatch
-from gradckpt.measure import AllocatorTracker, format_bytes, state_bytes
+from gradckpt.measure import format_bytes, state_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
@@ -70,18 +71,11 @@ def compiled_step_peak(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) ->
     # Not StepState.watching_modules: Dynamo would trace its global module hook
     # into the step (a graph break, and a recompile once the hook is gone).
     state = StepState(model)
+    device = model_device(model)
     try:
         for _ in range(2):
-            state.reset()
-            loss = loss_fn()
-            state.adopt_graph(loss)  # leaves outside the model the step reaches
-            loss.backward()
-        state.reset()
-        with AllocatorTracker() as measured:
-            loss = loss_fn()
-            state.adopt_graph(loss)
-            loss.backward()
-            del loss
+            timed_step(state, loss_fn, device)
+        measured = measured_step(state, loss_fn, device)
     finally:
         state.restore()
     return state_bytes(model) + measured.peak_bytes

@@ -52,6 +52,7 @@ from gradckpt.compiled.watch import watch
 from gradckpt.engine.decisions import Keep, Recompute, Selective
 from gradckpt.engine.modes import _UNCOUNTED  # the ops a plan's positions skip
 from gradckpt.planning import Plan, UnitChoice
+from gradckpt.profiling.units import module_path
 
 __all__ = ["compile", "compiled_plan", "restamp_compiled", "uncompile"]
 
@@ -104,9 +105,8 @@ def compile(
             "eagerly, or with gradckpt.compiled.around_regions.compile_model"
         )
     segments = segment_of(plan)
-    selective = [
-        u for u in plan.units if isinstance(u.decision, Selective) and u.path not in segments
-    ]
+    units = _one_per_module(plan, segments)
+    selective = [u for u in units if isinstance(u.decision, Selective) and u.path not in segments]
     if selective and loss_fn is None:
         raise ValueError(
             f"gradckpt.compile: units {[u.path for u in selective]} keep single ops; pass the "
@@ -117,8 +117,9 @@ def compile(
         uncompile(model)
     plains = {path: spec.plain for path, spec in applied_units(model).items()}
     saves = _occurrences(model, loss_fn, selective, modules, plains) if selective else {}
+    plains = {module_path(path): plain for path, plain in plains.items()}
     replaced: list[tuple[nn.Module, Any]] = []
-    for unit in plan.units:
+    for unit in units:
         module = modules[unit.path]
         replaced.append((module, module.__dict__.get("forward")))
         if unit.path in segments:
@@ -137,6 +138,30 @@ def compile(
     if guard is not None:  # fit(..., compile=True): shape_stats shows the recompiles too
         guard.recompiles = lambda: stats().recompiles
     return model
+
+
+def _one_per_module(plan: Plan, segments: dict) -> list[UnitChoice]:
+    """The plan's units by module: the compiled graph takes one decision per module.
+
+    The calls of a module called several times per step (``path#k``) must then share
+    one decision outside segments; a plan that gives them their own runs eagerly.
+    """
+    by_module: dict[str, list[UnitChoice]] = {}
+    for unit in plan.units:
+        by_module.setdefault(module_path(unit.path), []).append(unit)
+    out = []
+    for path, calls in by_module.items():
+        if len(calls) > 1 and (
+            len({c.decision for c in calls}) > 1 or any(c.path in segments for c in calls)
+        ):
+            raise ValueError(
+                f"gradckpt.compile: the plan gives the calls of {path} (a module called "
+                f"{len(calls)} times per step) decisions of their own, and the compiled graph "
+                "holds one per module; run the plan eagerly, or compile around its regions "
+                "(gradckpt.compiled.around_regions.compile_model)"
+            )
+        out.append(UnitChoice(path, calls[0].decision))
+    return out
 
 
 def compiled_plan(model: nn.Module) -> Plan | None:

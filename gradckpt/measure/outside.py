@@ -26,7 +26,8 @@ The settings are restored on exit (the mmap threshold to 32 MiB,
 glibc's own upper value for it, or ``MALLOC_MMAP_THRESHOLD_`` when set: glibc
 cannot give back its earlier dynamic value). Without Linux, glibc or a
 writable ``/proc/self/clear_refs`` there is no probe (:func:`unavailable`
-says why) and profiles keep the allocator-level workspace.
+says why) and profiles keep the allocator-level workspace; the same with
+``GRADCKPT_OUTSIDE_PROBE=0`` in the environment (:func:`switched_off`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "REPLAYS", "RssProbe", "needs_replay", "noise_bytes", "replay_growth", "rss_probe",
-    "unavailable",
+    "REPLAYS", "SWITCH", "RssProbe", "needs_replay", "noise_bytes", "replay_growth",
+    "replayed_noise_bytes", "rss_probe", "switched_off", "unavailable",
 ]  # fmt: skip
+
+#: The environment variable that turns the probe off (see :func:`switched_off`).
+SWITCH = "GRADCKPT_OUTSIDE_PROBE"
 
 #: Extra runs of a call that grew beyond its outputs: a kernel's threads take their
 #: buffers at once or in turn as they happen to run, and a budget needs the worst.
@@ -67,8 +72,31 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+def switched_off() -> bool:
+    """Whether the user turned the probe off: ``GRADCKPT_OUTSIDE_PROBE=0`` (or ``off``,
+    ``false``, ``no``) in the environment, read at each profile.
+
+    Off, a CPU profile keeps the allocator's workspace (as without glibc): no
+    ``mallopt`` settings for the pass, no ``malloc_trim`` and ``clear_refs`` per op,
+    no replays of ops that grew. For a process whose own malloc tuning must not be
+    touched, or to compare a profile with and without the probe.
+
+    Example:
+        >>> switched_off()  # run with GRADCKPT_OUTSIDE_PROBE=0
+        True
+    """
+    return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def unavailable() -> str:
-    """Why the probe cannot run in this process ("" when it can)."""
+    """Why the probe does not run in this process ("" when it does).
+
+    Example:
+        >>> unavailable()  # on Linux with glibc, the switch on
+        ''
+    """
+    if switched_off():
+        return f"switched off ({SWITCH}={os.environ[SWITCH]})"
     if not sys.platform.startswith("linux"):
         return "not Linux"
     if _libc() is None:
@@ -88,8 +116,30 @@ def noise_bytes() -> int:
     convolutions, with nothing outside the allocator by malloc's count, read up
     to 0.87 MiB of growth, one run in three. The floor is four times the bound.
     """
+    return 4 * _count_lag_bytes()
+
+
+def replayed_noise_bytes() -> int:
+    """The floor for a growth read on replays of a call (:func:`replay_growth`).
+
+    What a first run alone reads beyond malloc's count (pages faulted in once:
+    up to 1.2 MiB on a ResNet's convolution backward) is gone on replays, which
+    agree with malloc; what is left is the kernel's count lag, taken twice. So a
+    call whose first run grew beyond its outputs by more than this is replayed, and
+    its replays' reading counts above it: a dilated convolution's 1.07 MiB buffer
+    sat on the 1 MiB first-run floor and was seen in some profiles, not others.
+
+    Example:
+        >>> replayed_noise_bytes() < noise_bytes()
+        True
+    """
+    return 2 * _count_lag_bytes()
+
+
+def _count_lag_bytes() -> int:
+    # percpu_counter_batch pages per CPU, not yet folded into the resident count
     cpus = os.cpu_count() or 1
-    return 4 * cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
+    return cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
 
 
 class RssProbe:
@@ -118,11 +168,28 @@ class RssProbe:
         return max(hwm, rss) - before
 
 
-def needs_replay(func: Any, grown: int, outputs: int) -> bool:
-    """Whether a call that grew ``grown`` bytes, ``outputs`` of them its results, is run
-    again (:func:`replay_growth`): it grew beyond them by more than the noise, writes
-    no argument and draws no random numbers."""
-    return grown - outputs > noise_bytes() and _replayable(func)
+def needs_replay(func: Any, grown: int, out: Any) -> bool:
+    """Whether a call that grew ``grown`` bytes and returned ``out`` is run again
+    (:func:`replay_growth`): it grew beyond its outputs' bytes by more than the
+    replays' noise (:func:`replayed_noise_bytes`), writes no argument and draws no
+    random numbers.
+
+    Example:
+        >>> needs_replay(torch.ops.aten.mm.default, 0, None)  # no growth: no replay
+        False
+    """
+    noise = replayed_noise_bytes()
+    if grown <= noise:  # most ops; the outputs, subtracted, could only lower it: not counted
+        return False
+    return grown - _output_bytes(out) > noise and _replayable(func)
+
+
+def _output_bytes(out: Any) -> int:
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in tree_flatten(out)[0]
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided
+    )
 
 
 def replay_growth(probe: RssProbe, func: Any, args: tuple, kwargs: dict) -> int:

@@ -9,7 +9,6 @@ earlier measurements; units are renumbered in the order they first ran.
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from torch import nn
 
@@ -28,7 +27,7 @@ from gradckpt.profiling.records import (
     StorageRecord,
     UnitRecord,
 )
-from gradckpt.profiling.units import Unit
+from gradckpt.profiling.units import Unit, call_path
 
 __all__ = ["assemble", "device_of"]
 
@@ -80,10 +79,8 @@ def assemble(
         for i, p in enumerate(main.packs)
     )  # fmt: skip
     param_bytes = state_bytes(model)
-    first_calls = {}
-    for call in main.calls:
-        first_calls.setdefault(units[call.unit].path, call.input_shape)
-    shapes = tuple((u.path, first_calls[u.path]) for u in unit_records)
+    call_shapes = {renumber[call.serial]: call.input_shape for call in main.calls}
+    shapes = tuple((u.path, call_shapes[u.index]) for u in unit_records)
     return Profile(
         ops=ops,
         storages=storages,
@@ -163,13 +160,18 @@ def _natural_frees(forward_only: StepRecorder, plain: StepRecorder) -> list[int]
 
 
 def _record_units(recorder: StepRecorder, units: list[Unit], ops: list[OpRecord]) -> tuple:
-    first_calls: dict[int, Any] = {}
+    """One record per unit *call*, in the order the calls began.
+
+    A module called several times per step (a shared layer, a model called twice)
+    is a unit per call (``path#k``, :func:`~gradckpt.profiling.units.call_path`): the
+    planner sees the calls in order and gives each its own decision. Returns the
+    records and the map from call serials (what ops and packs carry) to their index.
+    """
+    calls = sorted(recorder.calls, key=lambda c: (c.first_op, c.serial))
     counts: dict[int, int] = {}
-    for call in recorder.calls:
+    for call in calls:
         counts[call.unit] = counts.get(call.unit, 0) + 1
-        first_calls.setdefault(call.unit, call)
-    order = sorted(first_calls, key=lambda u: first_calls[u].first_op)
-    renumber = {old: new for new, old in enumerate(order)}
+    renumber = {call.serial: new for new, call in enumerate(calls)}
     fwd_time: dict[int, float] = {}
     bwd_time: dict[int, float] = {}
     for op in ops:
@@ -178,16 +180,20 @@ def _record_units(recorder: StepRecorder, units: list[Unit], ops: list[OpRecord]
             table[op.unit] = table.get(op.unit, 0.0) + op.time
     records = []
     previous = None
-    for new, old in enumerate(order):
-        call = first_calls[old]
+    seen: dict[int, int] = {}
+    for new, call in enumerate(calls):
+        k = seen[call.unit] = seen.get(call.unit, -1) + 1
+        unit = units[call.unit]
         chained = call.chained and previous is not None and previous.end_op == call.first_op
         records.append(
             UnitRecord(
-                index=new, path=units[old].path, cls=type(units[old].module).__name__,
-                is_block=units[old].is_block, calls=counts[old], first_op=call.first_op,
-                end_op=call.end_op, inputs=call.inputs, chain_input=call.chain_input,
-                chain_arg=call.chain_arg, chain_output=call.chain_output, output=call.output,
-                chained=chained, fwd_time=fwd_time.get(old, 0.0), bwd_time=bwd_time.get(old, 0.0),
+                index=new, path=call_path(unit.path, k, counts[call.unit]),
+                cls=type(unit.module).__name__, is_block=unit.is_block, calls=counts[call.unit],
+                first_op=call.first_op, end_op=call.end_op, inputs=call.inputs,
+                chain_input=call.chain_input, chain_arg=call.chain_arg,
+                chain_output=call.chain_output, output=call.output, chained=chained,
+                fwd_time=fwd_time.get(call.serial, 0.0), bwd_time=bwd_time.get(call.serial, 0.0),
+                call=k,
             )
         )  # fmt: skip
         previous = call

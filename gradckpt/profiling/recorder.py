@@ -53,8 +53,12 @@ class RecordedOp(NamedTuple):
 
 @dataclass
 class UnitCall:
-    unit: int
+    unit: int  # the module's index among the units
     first_op: int
+    # This call's number among all unit calls of the step, in the order they began:
+    # what ops and saved tensors are attributed to (a module called twice is two
+    # units of the profile, one per call).
+    serial: int = -1
     end_op: int = -1
     inputs: tuple[int, ...] = ()
     chain_input: int = -1
@@ -136,6 +140,8 @@ class StepRecorder:
     #: Per-op peak resident growth (op index -> bytes), when a malloc probe ran
     #: (``gradckpt.measure.outside``): what the kernel took outside the allocator too.
     resident_growth: dict[int, int] = field(default_factory=dict)
+    #: The ops whose growth was read on replays (``gradckpt.measure.outside.needs_replay``).
+    replayed_ops: set[int] = field(default_factory=set)
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
     #: True between a backward node's post-hook and the next one's pre-hook, where
@@ -151,6 +157,7 @@ class StepRecorder:
         self._last_end = -1
         self._seq_starts: list[int] = []
         self._seq_calls: list[UnitCall] = []
+        self._serials = 0
 
     # --------------------------------------------------------------- positions
 
@@ -186,7 +193,7 @@ class StepRecorder:
         position = self._next()
         if self.forward:
             call = self._stack[-1] if self._stack else None
-            unit = call.unit if call is not None else -1
+            unit = call.serial if call is not None else -1
             local = index - call.first_op if call is not None else -1
             self.forward_ops += 1
         else:
@@ -219,7 +226,7 @@ class StepRecorder:
         if i >= 0:
             call = self._seq_calls[i]
             if call.seq_start <= seq < call.seq_end:
-                return call.unit
+                return call.serial
         return -1
 
     # ------------------------------------------------------------ saved tensors
@@ -229,7 +236,7 @@ class StepRecorder:
         pid = len(self.packs)
         self.packs.append(
             _Pack(
-                self.sid_of(x), call.unit if call else -1, self.forward_ops, self._next(),
+                self.sid_of(x), call.serial if call else -1, self.forward_ops, self._next(),
                 tuple(x.shape), str(x.dtype).removeprefix("torch."),
             )
         )  # fmt: skip
@@ -251,7 +258,8 @@ class StepRecorder:
 
     def enter_unit(self, unit: int, args: tuple, kwargs: dict) -> UnitCall:
         flat, _ = tree_flatten((args, kwargs))
-        call = UnitCall(unit=unit, first_op=len(self.ops))
+        call = UnitCall(unit=unit, first_op=len(self.ops), serial=self._serials)
+        self._serials += 1
         tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         call.inputs = tuple(s for _, x in tensors if (s := self.sid_of(x)) >= 0)
         previous = self._last_output() if self._last_output is not None else None
@@ -355,11 +363,10 @@ class RecordMode(TorchDispatchMode):
         (:data:`REPLAY_MARKS` + index): the first run's outputs are still held, and
         what the replays allocate on top of them is no part of the step's peak."""
         assert self.probe is not None
-        made = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
-                   if isinstance(t, torch.Tensor) and t.layout == torch.strided)  # fmt: skip
-        if not needs_replay(func, grown, made):
+        if not needs_replay(func, grown, out):
             return grown
         handle = open_mark(REPLAY_MARKS + index) if self.mark_ops else None
+        self.recorder.replayed_ops.add(index)
         try:
             return replay_growth(self.probe, func, args, kwargs)
         finally:

@@ -34,6 +34,7 @@ from typing import Any
 from gradckpt._versioned import check_header
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.profiling.training_step import TrainingStep
+from gradckpt.profiling.units import CALL_MARK, module_path
 
 __all__ = [
     "NEVER", "OpRecord", "PackRecord", "Profile", "ProfileError", "StorageRecord", "UnitRecord",
@@ -129,10 +130,20 @@ class UnitRecord:
     chained: bool
     fwd_time: float
     bwd_time: float
+    #: Which call of its module this unit is (0-based; ``calls`` in all, per step).
+    call: int = 0
+
+    @property
+    def module_path(self) -> str:
+        """The module this unit calls (its path without the call number)."""
+        return module_path(self.path)
 
     @property
     def plannable(self) -> bool:
-        return self.calls == 1 and self.end_op > self.first_op
+        # A record of a module called several times that is not one call of it (an
+        # older profile's, whose ops mix all calls) cannot be planned per call.
+        per_call = self.calls == 1 or CALL_MARK in self.path
+        return per_call and self.end_op > self.first_op
 
 
 @dataclass(frozen=True)

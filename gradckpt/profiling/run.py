@@ -51,7 +51,14 @@ from gradckpt.profiling.passes import ProfileError, run_pass, time_plain_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.state import StepState
 from gradckpt.profiling.unit_costs import capturing_call, with_unit_times
-from gradckpt.profiling.units import BlockSpec, blocks_not_found, find_blocks, find_units
+from gradckpt.profiling.units import (
+    BlockSpec,
+    Unit,
+    blocks_not_found,
+    called_blocks,
+    find_blocks,
+    find_units,
+)
 from gradckpt.profiling.workspace import step_device
 
 # How a pass runs is gradckpt.profiling.passes, how passes become a Profile is
@@ -125,16 +132,26 @@ def _profile_prepared(
     answer_scalars: bool = False,
 ) -> Profile:
     found = find_blocks(model, blocks)
-    units = find_units(model, found)
-    # No blocks: the step is planned by top-level parts only; say why, for the budget error.
-    note = blocks_not_found(model) if blocks is None and not found else ""
     guard = StepState(model)
+
+    def discovered() -> tuple[list[Unit], str]:
+        # No repeated class: a module the step calls several times (a shared layer)
+        # is the block. Still none: the step is planned by top-level parts only; say
+        # why, for the budget error.
+        paths = found
+        if blocks is None and not paths:
+            guard.reset()
+            paths = called_blocks(model, loss_fn)
+        note = blocks_not_found(model) if blocks is None and not paths else ""
+        return find_units(model, paths), note
+
     try:
         if fake:
             where = torch.device(device) if device is not None else fake_device_of(model)
             check_fake_device(where)
             answers = AnsweredScalars() if answer_scalars else contextlib.nullcontext()
             with fake_model(model, where) as mode, mode, answers:
+                units, note = discovered()
                 guard.reset()
                 forward_only = run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
@@ -143,6 +160,7 @@ def _profile_prepared(
             return replace(with_estimated_times(fake_profile, where), blocks_note=note)
         where = device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
+            units, note = discovered()
             guard.reset()
             forward_only = run_pass(units, loss_fn, guard, plain=False, device=where)
             passes = []

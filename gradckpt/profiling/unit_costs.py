@@ -91,7 +91,7 @@ def with_unit_times(profile: Profile, call: CapturedCall) -> Profile:
         >>> prof.engine_costs.unit_region - prof.engine_costs.unit_plain  # a recompute's cost
     """
     module = call.module
-    record = next((u for u in profile.units if u.path == call.path), None)
+    record = next((u for u in profile.units if u.module_path == call.path), None)
     if module is None or record is None or not (record.is_block and record.plannable):
         return profile
     leaves = [p for p in module.parameters() if p.requires_grad]

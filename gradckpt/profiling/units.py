@@ -28,7 +28,43 @@ from torch import nn
 
 from gradckpt.profiling.adapters import Adapter, register_adapter, registered_blocks
 
-__all__ = ["Unit", "blocks_not_found", "find_blocks", "find_units", "register_block_finder"]
+__all__ = [
+    "Unit",
+    "blocks_not_found",
+    "call_path",
+    "called_blocks",
+    "find_blocks",
+    "find_units",
+    "module_path",
+    "register_block_finder",
+]
+
+#: Separates a module's path from its call number in the unit of one call
+#: (``encoder.layer#2``): a module called several times per step is one unit per
+#: call. Module paths never contain it.
+CALL_MARK = "#"
+
+
+def call_path(path: str, call: int, calls: int) -> str:
+    """The unit path of call ``call`` (0-based) of a module called ``calls`` times per step.
+
+    A module called once keeps its own path, so plans of such models read as before.
+
+    Example:
+        >>> call_path("encoder.layer", 2, 4), call_path("head", 0, 1)
+        ('encoder.layer#2', 'head')
+    """
+    return path if calls == 1 else f"{path}{CALL_MARK}{call}"
+
+
+def module_path(unit_path: str) -> str:
+    """The module path of a unit path (``encoder.layer#2`` -> ``encoder.layer``).
+
+    Example:
+        >>> module_path("encoder.layer#2")
+        'encoder.layer'
+    """
+    return unit_path.split(CALL_MARK, 1)[0]
 
 BlockSpec = Iterable[str] | Callable[[str, nn.Module], bool] | None
 BlockFinder = Callable[[nn.Module], list[str]]
@@ -150,6 +186,37 @@ def blocks_not_found(model: nn.Module) -> str:
         "blocks=[paths from model.named_modules()] or blocks=lambda path, module: ... naming the "
         "repeated layers."
     )
+
+
+def called_blocks(model: nn.Module, run: Callable[[], object]) -> list[str]:
+    """Modules ``run()`` calls more than once, outermost first found: shared layers as blocks.
+
+    What structure cannot show: ALBERT keeps one layer and calls it once per depth,
+    a looped or recurrent-depth block is one module run several times. Each such
+    module is a block whose every call becomes a unit of its own. Torch's own
+    modules (an activation reused) and modules inside another repeated one are not.
+
+    Example:
+        >>> called_blocks(albert, lambda: albert(ids).loss)
+        ['albert.encoder.albert_layer_groups.0']
+    """
+    counts: dict[int, int] = defaultdict(int)
+
+    def count(module: nn.Module, args: object) -> None:
+        counts[id(module)] += 1
+
+    handles = [m.register_forward_pre_hook(count) for _, m in model.named_modules()]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    repeated = [
+        name
+        for name, module in model.named_modules()
+        if name and counts[id(module)] > 1 and not _is_torch_builtin(module)
+    ]
+    return [p for p in repeated if not any(p.startswith(q + ".") for q in repeated)]
 
 
 def _innermost(paths: list[str]) -> list[str]:

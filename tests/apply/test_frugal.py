@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.apply import frugal
+from gradckpt.apply import measured_step
 from gradckpt.measure import AllocatorTracker
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.testing import make
@@ -29,7 +29,7 @@ def test_a_reserved_high_water_over_the_budget_refuses_the_plan(monkeypatch):
             super().__exit__(*exc)
             self.reserved_high_water_bytes = 2 * budget
 
-    monkeypatch.setattr(frugal, "AllocatorTracker", Reserving)
+    monkeypatch.setattr(measured_step, "AllocatorTracker", Reserving)
     with pytest.raises(BudgetError, match="leanest plan measured"):
         gradckpt.fit(ex.model, ex.loss_fn, budget)
     assert gradckpt.applied_plan(ex.model) is None

@@ -58,14 +58,9 @@ def _square(out, x):
     return out.pow(2).mean()
 
 
-def _measured(model, x, seed=0):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with AllocatorTracker() as allocator:
-        model(x).pow(2).mean().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return state_bytes(model) + allocator.peak_bytes, grads
+def _squared(model, x):
+    """The step: ``model(x)``'s mean square."""
+    return lambda: model(x).pow(2).mean()
 
 
 def _least_and_plain(model, length):
@@ -78,7 +73,7 @@ def _least_and_plain(model, length):
     raise AssertionError("a one-byte budget fitted")
 
 
-def test_rescaling_is_refused_past_a_branch_on_the_length_and_the_budget_holds():
+def test_rescaling_is_refused_past_a_branch_on_the_length_and_the_budget_holds(peak_and_grads):
     torch.manual_seed(0)
     model = _Windowed()
     plain = copy.deepcopy(model)
@@ -90,9 +85,10 @@ def test_rescaling_is_refused_past_a_branch_on_the_length_and_the_budget_holds()
     # 48 is profiled (the scaling is built from lengths 16..48, all inside the window);
     # 56 follows the same ops: rescaled; 128 branches: profiled, not rescaled.
     for seed, length in enumerate((48, 56, 2 * WINDOW)):
-        peak, grads = _measured(model, _x(length), seed)
+        peak, grads = peak_and_grads(model, _squared(model, _x(length)), seed)
         assert peak <= budget, (length, peak, budget)
-        _, plain_grads = _measured(plain, _x(length), seed)
+        _, plain_grads = peak_and_grads(plain, _squared(plain, _x(length)), seed)
+        assert grads.keys() == plain_grads.keys(), length
         assert all(torch.equal(grads[k], plain_grads[k]) for k in grads), length
     stats = gradckpt.shape_stats(model)
     routes = [route for _, route in stats.routes]
@@ -211,18 +207,10 @@ def _images(side, batch):
     return x, torch.randn(batch, 3, side, side, generator=g)
 
 
-def _conv_measured(model, x, t, seed):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with AllocatorTracker() as allocator:
-        F.mse_loss(model(x), t).backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return state_bytes(model) + allocator.peak_bytes, grads
-
-
 @pytest.mark.parametrize("side,batch", [(64, 2), (32, 4)], ids=["image-64", "batch-4"])
-def test_a_conv_model_replanned_under_fake_tensors_holds_the_budget_at_the_allocator(side, batch):
+def test_a_conv_model_replanned_under_fake_tensors_holds_the_budget_at_the_allocator(
+    side, batch, peak_and_grads
+):
     from gradckpt.testing import make
 
     model = make("unet", depth=2, base=8, image=32, batch=2).model
@@ -240,9 +228,10 @@ def test_a_conv_model_replanned_under_fake_tensors_holds_the_budget_at_the_alloc
                  loss_from=lambda out, x: F.mse_loss(out, torch.zeros_like(out)))  # fmt: skip
     # The first call at the new shape plans it (one real step inside it: counted too).
     for seed in (0, 1):
-        peak, grads = _conv_measured(model, x2, t2, seed)
-        _, plain_grads = _conv_measured(plain, x2, t2, seed)
+        peak, grads = peak_and_grads(model, lambda: F.mse_loss(model(x2), t2), seed)
+        _, plain_grads = peak_and_grads(plain, lambda: F.mse_loss(plain(x2), t2), seed)
         assert peak <= budget, (seed, peak, budget)
+        assert grads.keys() == plain_grads.keys(), seed
         assert all(torch.equal(grads[k], plain_grads[k]) for k in grads), seed
     stats = gradckpt.shape_stats(model)
     assert [r for _, r in stats.routes] == ["fitted", "fake-verified"]

@@ -27,17 +27,6 @@ def _ce_from(out, x):  # the loss a new shape's step computes (label values don'
     return F.cross_entropy(out, torch.zeros(len(out), dtype=torch.long))
 
 
-def _measured(model, step, seed=0):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    # The peak at the allocator (kernel workspaces included), plus parameters and buffers.
-    with AllocatorTracker() as allocator:
-        step().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return state_bytes(model) + allocator.peak_bytes, grads
-
-
 # Above the plain peak at batch 256 (3.4 MiB), below it at 384 (4.9 MiB), above the
 # least peak at 512 (3.1 MiB): the fitted shape runs plainly, larger ones need plans.
 BUDGET = "4.5MiB"
@@ -62,24 +51,24 @@ def _fit_mlp(budget=BUDGET, **options):
     return model, plan
 
 
-def test_every_call_is_guarded_not_only_the_first():
+def test_every_call_is_guarded_not_only_the_first(peak_and_grads):
     model, _ = _fit_mlp()
     for _ in range(3):
-        _measured(model, _mlp_step(model, 256))
+        peak_and_grads(model, _mlp_step(model, 256))
     with torch.no_grad():  # eval calls keep nothing for backward: not guarded
         model(torch.randn(1024, 64))
     stats = gradckpt.shape_stats(model)
     assert stats.calls == 3 and stats.replans == 0 and stats.switches == 0
-    _measured(model, _mlp_step(model, 384))  # the 4th call, at a new shape, is still seen
+    peak_and_grads(model, _mlp_step(model, 384))  # the 4th call, at a new shape, is still seen
     stats = gradckpt.shape_stats(model)
     assert stats.calls == 4 and stats.replans == 1 and stats.plans == 2
     assert "batch" not in stats.active and "(384,64):float32" in stats.active
 
 
-def test_known_shapes_switch_from_the_cache_new_ones_are_planned_once():
+def test_known_shapes_switch_from_the_cache_new_ones_are_planned_once(peak_and_grads):
     model, _ = _fit_mlp()
     for batch in (384, 256, 384, 512, 256, 512):
-        _measured(model, _mlp_step(model, batch))
+        peak_and_grads(model, _mlp_step(model, batch))
     stats = gradckpt.shape_stats(model)
     assert stats.replans == 2  # 384 and 512: misses; every later call of them hits the cache
     assert stats.plans == 3 and stats.switches == 6
@@ -87,20 +76,20 @@ def test_known_shapes_switch_from_the_cache_new_ones_are_planned_once():
     assert "2 planned during training" in stats.summary()
 
 
-def test_replanned_shape_holds_the_budget_and_its_prediction_is_the_measured_peak():
+def test_replanned_shape_holds_the_budget_and_its_prediction_is_the_measured_peak(peak_and_grads):
     model, plan = _fit_mlp()
     for batch in (384, 512):
-        peak, _ = _measured(model, _mlp_step(model, batch))
+        peak, _ = peak_and_grads(model, _mlp_step(model, batch))
         active = gradckpt.applied_plan(model)
         assert active is not plan
         assert peak == active.predicted_peak_bytes  # fake-profiled at the new shape, exact
         assert peak <= plan.budget_bytes
 
 
-def test_warn_runs_the_old_plan_with_one_warning_naming_budget_and_predicted_peak():
+def test_warn_runs_the_old_plan_with_one_warning_naming_budget_and_predicted_peak(peak_and_grads):
     model, plan = _fit_mlp(on_new_shape="warn")
     with pytest.warns(UserWarning, match="on_new_shape='warn'") as caught:
-        peak, _ = _measured(model, _mlp_step(model, 1024))
+        peak, _ = peak_and_grads(model, _mlp_step(model, 1024))
     [message] = [
         str(w.message) for w in caught if "gradckpt: the model was called" in str(w.message)
     ]
@@ -110,41 +99,43 @@ def test_warn_runs_the_old_plan_with_one_warning_naming_budget_and_predicted_pea
     assert peak > plan.budget_bytes  # the case a warning is for
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per shape
-        _measured(model, _mlp_step(model, 1024))
+        peak_and_grads(model, _mlp_step(model, 1024))
     assert gradckpt.shape_stats(model).warnings == 1
 
 
-def test_error_policy_raises_before_running_and_leaves_the_model_usable():
+def test_error_policy_raises_before_running_and_leaves_the_model_usable(peak_and_grads):
     model, plan = _fit_mlp(on_new_shape="error")
-    plain_peak, plain_grads = _measured(model, _mlp_step(model, 256))
+    plain_peak, plain_grads = peak_and_grads(model, _mlp_step(model, 256))
     with pytest.raises(gradckpt.ShapeError, match=r"\(384,64\):float32.*plans only for"):
-        _measured(model, _mlp_step(model, 384))
+        peak_and_grads(model, _mlp_step(model, 384))
     assert all(p.grad is None for p in model.parameters())
     assert gradckpt.applied_plan(model) is plan
-    peak, grads = _measured(model, _mlp_step(model, 256))
+    peak, grads = peak_and_grads(model, _mlp_step(model, 256))
     assert peak == plain_peak and all(torch.equal(grads[k], plain_grads[k]) for k in grads)
 
 
-def test_infeasible_new_shape_raises_budget_error_before_running_and_model_stays_usable():
+def test_infeasible_new_shape_raises_budget_error_before_running_and_model_stays_usable(
+    peak_and_grads,
+):
     model, plan = _fit_mlp()
-    before, before_grads = _measured(model, _mlp_step(model, 256))
+    before, before_grads = peak_and_grads(model, _mlp_step(model, 256))
     with pytest.raises(gradckpt.BudgetError, match=r"\(16384,64\):float32.*nothing ran") as info:
-        _measured(model, _mlp_step(model, 16384))
+        peak_and_grads(model, _mlp_step(model, 16384))
     assert info.value.least_peak_bytes > plan.budget_bytes
     assert all(p.grad is None for p in model.parameters())
     assert gradckpt.applied_plan(model) is plan
     assert gradckpt.shape_stats(model).plans == 1
-    after, after_grads = _measured(model, _mlp_step(model, 256))
+    after, after_grads = peak_and_grads(model, _mlp_step(model, 256))
     assert after == before and all(
         torch.equal(after_grads[k], before_grads[k]) for k in after_grads
     )
 
 
-def test_applying_fits_plan_again_keeps_its_guard_and_remove_ends_it():
+def test_applying_fits_plan_again_keeps_its_guard_and_remove_ends_it(peak_and_grads):
     model, plan = _fit_mlp()
     gradckpt.apply(model, plan)  # fit's own plan again: the guard (and re-planning) stays
     assert gradckpt.shape_stats(model).policy == "replan"
-    _measured(model, _mlp_step(model, 384))
+    peak_and_grads(model, _mlp_step(model, 384))
     assert gradckpt.shape_stats(model).replans == 1
     gradckpt.remove(model)
     assert gradckpt.shape_stats(model) is None
@@ -158,7 +149,7 @@ def test_on_new_shape_is_validated():
     assert gradckpt.applied_plan(ex.model) is None
 
 
-def test_preplanned_shapes_switch_without_planning():
+def test_preplanned_shapes_switch_without_planning(peak_and_grads):
     model = _model()
     x384, x512 = torch.randn(384, 64), torch.randn(512, 64)
     gradckpt.fit(
@@ -167,7 +158,7 @@ def test_preplanned_shapes_switch_without_planning():
     )  # fmt: skip
     assert gradckpt.shape_stats(model).plans == 3
     for batch in (384, 512, 256):
-        peak, _ = _measured(model, _mlp_step(model, batch))
+        peak, _ = peak_and_grads(model, _mlp_step(model, batch))
         assert peak == gradckpt.applied_plan(model).predicted_peak_bytes
     stats = gradckpt.shape_stats(model)
     assert stats.replans == 0 and stats.switches == 3

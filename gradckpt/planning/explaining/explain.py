@@ -105,7 +105,10 @@ def _label(region: Region, prof: Profile) -> str:
 def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
     out = {}
     for u in prof.units:
-        out[u.path] = "keep" if u.plannable else f"keep (called {u.calls}x, not plannable)"
+        if u.plannable:
+            out[u.path] = "keep"
+        else:  # an older profile's unit of all calls of a shared module, or one with no op
+            out[u.path] = f"keep (called {u.calls}x, not plannable)" if u.calls > 1 else "keep"
     if plan is None:
         return out
 

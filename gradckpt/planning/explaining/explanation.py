@@ -52,7 +52,7 @@ class UnitCost:
     kept_bytes: int
     recomputed_bytes: int
     recompute_time: float  # seconds of its forward ops run again in backward
-    calls: int = 1  # times the unit runs per step (more than once: never checkpointed)
+    calls: int = 1  # times its module runs per step (each call is a unit: path#k)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class Explanation:
                 "allocator); checkpointing does not shrink it, smaller inputs to that op do"
             )
         for u in self.units:
-            if u.calls > 1:
+            if u.calls > 1 and "#" not in u.path:  # an older profile's unit of all calls
                 out.append(
                     f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
                     f"checkpoints it and keeps all it saves ({format_bytes(u.kept_bytes)}); "

@@ -2,7 +2,8 @@
 
 :mod:`.plan` (``Plan``, ``UnitChoice``, ``Segment``), :mod:`.errors` (what a
 malformed plan file is told), :mod:`.offload_options` and :mod:`.step_parts`
-(parts a plan carries), :mod:`.planset` (plans keyed by input shape). Below
-the simulator and the solvers; above only the kind registry
-(:mod:`gradckpt.planning.handlers`), which the summary asks how a decision reads.
+(parts a plan carries), :mod:`.call_key` (the key of a model call's shape) and
+:mod:`.planset` (plans keyed by it). Below the simulator and the solvers; above
+only the kind registry (:mod:`gradckpt.planning.handlers`), which the summary asks
+how a decision reads.
 """

@@ -173,8 +173,8 @@ class Plan:
     predicted_recompute_flops: int = 0
     solver: str = ""
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    # Units called more than once per step (shared weights), with their call
-    # counts: never checkpointed, always kept whole; said in the summary.
+    # Modules called more than once per step in a profile from before units were
+    # per call (path#k), with their call counts: kept whole; said in the summary.
     not_planned: tuple[tuple[str, int], ...] = ()
     #: Median extra step time over the plain step, measured by ``fit`` (None: not measured).
     measured_overhead: float | None = None

@@ -83,7 +83,7 @@ def step_costs(profile: Profile) -> EngineCosts:
     """
     costs = profile.engine_costs
     costs = replace(costs, recompute_op=costs.recompute_op + untimed_per_op(profile))
-    unit = next((u for u in profile.units if costs.unit and u.path == costs.unit), None)
+    unit = next((u for u in profile.units if costs.unit and u.module_path == costs.unit), None)
     if unit is not None and costs.unit_region > 0:
         rec = region_counts(profile, unit, policy=False)
         stop = unit.first_op + rec.recompute_ops

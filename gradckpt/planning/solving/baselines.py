@@ -60,7 +60,10 @@ def finish(
             predicted_recompute_flops=pred.recompute_flops,
             solver=solver,
             input_shapes=profile.input_shapes,
-            not_planned=tuple((u.path, u.calls) for u in profile.units if u.calls > 1),
+            # Only a profile from before units were per call has such units (see UnitRecord).
+            not_planned=tuple(
+                (u.path, u.calls) for u in profile.units if u.calls > 1 and not u.plannable
+            ),
             peak_level=profile.peak_level,
             step=step_parts(profile, pred),
         ),
