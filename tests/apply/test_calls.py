@@ -13,7 +13,7 @@ import gradckpt
 from gradckpt.engine.decisions import KEEP, RECOMPUTE
 from gradckpt.measure import AllocatorTracker, count_flops, state_bytes
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
-from gradckpt.testing import ResidualMLPBlock, gpt
+from gradckpt.testing import ConvBNReLU, ResidualMLPBlock, gpt
 
 
 class Looped(nn.Module):
@@ -209,3 +209,35 @@ def test_albert_fits_six_tenths_of_plain_and_holds_it():
         assert _same(grads, plain_grads)
         assert peak <= plan.budget_bytes <= 0.6 * plain * 1.01
         assert abs(peak - plan.predicted_peak_bytes) <= 0.02 * peak
+
+
+class LoopedBN(nn.Module):
+    """A conv-BatchNorm block run three times: its running statistics move once per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.core = ConvBNReLU(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for _ in range(3):
+            x = self.core(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_each_call_updates_running_statistics_once_as_in_a_plain_step():
+    torch.manual_seed(0)
+    model, x = LoopedBN().train(), torch.randn(4, 3, 16, 16)
+    loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
+    prof = gradckpt.profile(model, loss_fn, repeats=1)  # leaves the buffers as found
+    plain = copy.deepcopy(model)
+    _, plain_grads, _ = _step(plain, lambda: plain(x).pow(2).mean())
+    gradckpt.apply(model, _plan(prof, lambda u: RECOMPUTE if u.path != "core#2" else KEEP))
+    _, grads, _ = _step(model, loss_fn)
+    assert _same(grads, plain_grads)
+    # _step ran two steps on each model (one measured, one counted): three calls each.
+    for name, value in plain.core.bn.named_buffers():
+        assert torch.equal(getattr(model.core.bn, name), value), name
+    assert int(model.core.bn.num_batches_tracked) == 6
