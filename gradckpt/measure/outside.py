@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -136,8 +137,10 @@ def replayed_noise_bytes() -> int:
     return 2 * _count_lag_bytes()
 
 
+@functools.cache
 def _count_lag_bytes() -> int:
-    # percpu_counter_batch pages per CPU, not yet folded into the resident count
+    # percpu_counter_batch pages per CPU, not yet folded into the resident count;
+    # asked per op in the profiling pass, and the machine does not change under it
     cpus = os.cpu_count() or 1
     return cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
 

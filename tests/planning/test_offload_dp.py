@@ -60,9 +60,8 @@ def _nodes(tree, nested=False):
             yield from _nodes(node.schedule, True)
 
 
-@settings(max_examples=120, deadline=None)
-@given(chains())
-def test_dp_with_three_choices_equals_brute_force_at_every_budget(chain):
+def _assert_dp_is_brute_force(chain) -> None:
+    """At every budget: the DP's time is brute force's, and its schedule fits and takes it."""
     dp = ChainDP(chain)
     for m in range(chain.capacity + 1):
         best, tree = brute_force(chain, m)
@@ -70,6 +69,12 @@ def test_dp_with_three_choices_equals_brute_force_at_every_budget(chain):
         if tree is not None:
             need, seconds = evaluate(chain, dp.schedule(m))
             assert need <= m and seconds == best
+
+
+@settings(max_examples=120, deadline=None)
+@given(chains())
+def test_dp_with_three_choices_equals_brute_force_at_every_budget(chain):
+    _assert_dp_is_brute_force(chain)
 
 
 @settings(max_examples=60, deadline=None)
@@ -175,10 +180,4 @@ def four_choice_chains(draw, max_stages=4):
 @settings(max_examples=60, deadline=None)
 @given(four_choice_chains())
 def test_dp_with_offloaded_inputs_equals_brute_force_at_every_budget(chain):
-    dp = ChainDP(chain)
-    for m in range(chain.capacity + 1):
-        best, tree = brute_force(chain, m)
-        assert dp.best_time(m) == best, f"m={m}"
-        if tree is not None:
-            need, seconds = evaluate(chain, dp.schedule(m))
-            assert need <= m and seconds == best
+    _assert_dp_is_brute_force(chain)

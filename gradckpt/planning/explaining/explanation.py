@@ -17,6 +17,7 @@ from typing import Any
 
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.plans.plan import Plan
+from gradckpt.profiling.units import CALL_MARK
 
 OUTSIDE = "(outside units)"
 STATUSES = ("kept", "region input", "selective", "recomputed", "offloaded")
@@ -147,7 +148,7 @@ class Explanation:
                 "allocator); checkpointing does not shrink it, smaller inputs to that op do"
             )
         for u in self.units:
-            if u.calls > 1 and "#" not in u.path:  # an older profile's unit of all calls
+            if u.calls > 1 and CALL_MARK not in u.path:  # an older profile's unit of all calls
                 out.append(
                     f"{u.path} runs {u.calls} times per step (shared weights): gradckpt never "
                     f"checkpoints it and keeps all it saves ({format_bytes(u.kept_bytes)}); "
