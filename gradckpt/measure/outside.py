@@ -44,8 +44,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "REPLAYS", "SWITCH", "RssProbe", "needs_replay", "noise_bytes", "replay_growth",
-    "replayed_noise_bytes", "rss_probe", "switched_off", "unavailable",
+    "REPLAYS", "SWITCH", "RssProbe", "needs_replay", "noise_bytes", "replay_growth", "rss_probe",
+    "switched_off", "unavailable",
 ]  # fmt: skip
 
 #: The environment variable that turns the probe off (see :func:`switched_off`).
@@ -107,6 +107,7 @@ def unavailable() -> str:
     return ""
 
 
+@functools.cache  # asked per op in the profiling pass; the machine does not change
 def noise_bytes() -> int:
     """Resident growth beyond the allocator's that is not taken as an op's own.
 
@@ -117,32 +118,8 @@ def noise_bytes() -> int:
     convolutions, with nothing outside the allocator by malloc's count, read up
     to 0.87 MiB of growth, one run in three. The floor is four times the bound.
     """
-    return 4 * _count_lag_bytes()
-
-
-def replayed_noise_bytes() -> int:
-    """The floor for a growth read on replays of a call (:func:`replay_growth`).
-
-    What a first run alone reads beyond malloc's count (pages faulted in once:
-    up to 1.2 MiB on a ResNet's convolution backward) is gone on replays, which
-    agree with malloc; what is left is the kernel's count lag, taken twice. So a
-    call whose first run grew beyond its outputs by more than this is replayed, and
-    its replays' reading counts above it: a dilated convolution's 1.07 MiB buffer
-    sat on the 1 MiB first-run floor and was seen in some profiles, not others.
-
-    Example:
-        >>> replayed_noise_bytes() < noise_bytes()
-        True
-    """
-    return 2 * _count_lag_bytes()
-
-
-@functools.cache
-def _count_lag_bytes() -> int:
-    # percpu_counter_batch pages per CPU, not yet folded into the resident count;
-    # asked per op in the profiling pass, and the machine does not change under it
     cpus = os.cpu_count() or 1
-    return cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
+    return 4 * cpus * max(32, 2 * cpus) * os.sysconf("SC_PAGE_SIZE")
 
 
 class RssProbe:
@@ -173,15 +150,14 @@ class RssProbe:
 
 def needs_replay(func: Any, grown: int, out: Any) -> bool:
     """Whether a call that grew ``grown`` bytes and returned ``out`` is run again
-    (:func:`replay_growth`): it grew beyond its outputs' bytes by more than the
-    replays' noise (:func:`replayed_noise_bytes`), writes no argument and draws no
-    random numbers.
+    (:func:`replay_growth`): it grew beyond its outputs' bytes by more than the noise,
+    writes no argument and draws no random numbers.
 
     Example:
         >>> needs_replay(torch.ops.aten.mm.default, 0, None)  # no growth: no replay
         False
     """
-    noise = replayed_noise_bytes()
+    noise = noise_bytes()
     if grown <= noise:  # most ops; the outputs, subtracted, could only lower it: not counted
         return False
     return grown - _output_bytes(out) > noise and _replayable(func)

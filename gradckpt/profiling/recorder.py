@@ -140,8 +140,6 @@ class StepRecorder:
     #: Per-op peak resident growth (op index -> bytes), when a malloc probe ran
     #: (``gradckpt.measure.outside``): what the kernel took outside the allocator too.
     resident_growth: dict[int, int] = field(default_factory=dict)
-    #: The ops whose growth was read on replays (``gradckpt.measure.outside.needs_replay``).
-    replayed_ops: set[int] = field(default_factory=set)
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
     #: True between a backward node's post-hook and the next one's pre-hook, where
@@ -366,7 +364,6 @@ class RecordMode(TorchDispatchMode):
         if not needs_replay(func, grown, out):
             return grown
         handle = open_mark(REPLAY_MARKS + index) if self.mark_ops else None
-        self.recorder.replayed_ops.add(index)
         try:
             return replay_growth(self.probe, func, args, kwargs)
         finally:

@@ -20,11 +20,7 @@ On CPU, kernels also take memory from malloc behind the allocator's back
 reads each op's peak resident growth (:mod:`gradckpt.measure.outside`); what
 it exceeds the allocator's growth by, beyond the probe's noise, is added::
 
-    outside[k] = growth(k) - (peak_during(k) - before(k))   if > floor(k) else 0
-
-where ``floor(k)`` is the probe's noise (``noise_bytes()``), or for a call replayed
-because it grew beyond its outputs, the lower noise of replays
-(``replayed_noise_bytes()``),
+    outside[k] = growth(k) - (peak_during(k) - before(k))   if > noise_bytes() else 0
 
 and the step's peak is at least ``peak_during(k) + outside[k]`` for every op. Fake profiles run no
 kernels and get no workspace (zero; see ``gradckpt.profiling.records``).
@@ -46,13 +42,7 @@ from gradckpt.measure.allocator import (
     allocator_block_bytes,
     foreign_profiler_running,
 )
-from gradckpt.measure.outside import (
-    RssProbe,
-    noise_bytes,
-    replayed_noise_bytes,
-    rss_probe,
-    unavailable,
-)
+from gradckpt.measure.outside import RssProbe, noise_bytes, rss_probe, unavailable
 from gradckpt.profiling.recorder import REPLAY_MARKS, StepRecorder
 
 __all__ = [
@@ -125,13 +115,12 @@ def op_workspaces(recorder: StepRecorder, events: MemoryEvents, device: torch.de
 
 def outside_bytes(recorder: StepRecorder, spans: dict[int, MarkedSpan]) -> dict[int, int]:
     """Per op, the peak bytes it held outside the allocator (ops with none left out)."""
-    noise, replayed_noise = noise_bytes(), replayed_noise_bytes()
+    noise = noise_bytes()
     out = {}
     for index, growth in recorder.resident_growth.items():
         span = spans.get(index)
         extra = growth - (span.peak - span.before) if span is not None else 0
-        floor = replayed_noise if index in recorder.replayed_ops else noise
-        if extra > floor:  # below it, the kernel's resident count cannot tell
+        if extra > noise:  # below it, the kernel's resident count cannot tell
             out[index] = extra
     return out
 
