@@ -125,6 +125,7 @@ class ReferenceDP:
     def __init__(self, chain: Chain) -> None:
         self.chain, self.n, self.size = chain, len(chain.stages), chain.capacity + 1
         self.table: dict[tuple[int, int, int], list[tuple[float, int]]] = {}
+        self._cands: dict[tuple[int, int, int], list] = {}
         for length in range(self.n):  # nested cells, shorter first
             for a in range(self.n - length):
                 b = a + length
@@ -168,6 +169,7 @@ class ReferenceDP:
                 self._at(ctx, j, b, m - stages[j].input)
                 + self._at(NESTED, a, j - 1, min(m - s, self.size - 1)) + e
             )))  # fmt: skip
+        self._cands[ctx, a, b] = cands
         row = []
         for m in range(self.size):
             best = (math.inf, -1)
@@ -186,22 +188,36 @@ class ReferenceDP:
         row = self.table[TOP, 0, self.n - 1]
         return next((m for m, (t, _) in enumerate(row) if math.isfinite(t)), None)
 
-    def schedule(self, m: int) -> Tree:
+    def schedule(self, m: int, tie: float | None = None) -> Tree:
         m = min(m, self.size - 1)
         if not math.isfinite(self.best_time(m)):
             raise ValueError(f"no schedule fits in {m} units")
-        return self._tree(TOP, m, 0, self.n - 1)
+        if tie is None:
+            return self._tree(TOP, m, 0, self.n - 1)
+        return self._near(TOP, m, 0, self.n - 1, [max(0.0, tie)])
 
     def _tree(self, ctx: int, m: int, a: int, b: int) -> Tree:
-        code = self.table[ctx, a, b][m][1]
+        return self._expand(ctx, m, a, b, self.table[ctx, a, b][m][1], self._tree)
+
+    def _near(self, ctx: int, m: int, a: int, b: int, slack: list[float]) -> Tree:
+        """``ChainDP.schedule``'s rule with a tie: the first candidate within the slack
+        left (``slack[0]``, spent as choices give time up)."""
+        m = min(m, self.size - 1)
+        found = [(code, time(m)) for code, need, time in self._cands[ctx, a, b] if m >= need]
+        best = min(t for _, t in found)
+        code, value = next((c, t) for c, t in found if t <= best + slack[0] + 1e-9 * abs(best))
+        slack[0] = max(0.0, slack[0] - (value - best))
+        return self._expand(ctx, m, a, b, code, lambda *cell: self._near(*cell, slack))
+
+    def _expand(self, ctx: int, m: int, a: int, b: int, code: int, sub) -> Tree:
         stages = self.chain.stages
         if code < _SEGMENT:
             if a == b:
                 return [UnitStep(a, code)]
             kept = stages[a].options[code].kept + stages[a + 1].input
-            return [UnitStep(a, code), *self._tree(ctx, m - kept, a + 1, b)]
+            return [UnitStep(a, code), *sub(ctx, m - kept, a + 1, b)]
         j = a + code - _SEGMENT
         shift = near_div(_grads(self.chain, j, b), self.chain.scale)
         inner = min(m - shift, self.size - 1)
-        left = self._tree(NESTED, inner, a, j - 1)
-        return [SegmentStep(left), *self._tree(ctx, m - stages[j].input, j, b)]
+        left = sub(NESTED, inner, a, j - 1)
+        return [SegmentStep(left), *sub(ctx, m - stages[j].input, j, b)]

@@ -33,6 +33,7 @@ transformer of N layers costs O(N^2) vectors instead of O(N^3).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -76,18 +77,55 @@ class ChainDP:
         feasible = torch.isfinite(self._cells.top_time[0]).nonzero()
         return int(feasible[0]) if len(feasible) else None
 
-    def schedule(self, m: int) -> Tree:
-        """The optimal schedule within ``m`` units (ValueError if none fits)."""
+    def schedule(self, m: int, tie: float | None = None) -> Tree:
+        """The optimal schedule within ``m`` units (ValueError if none fits).
+
+        With ``tie`` (seconds), a near-optimal schedule that does not move with noise:
+        each choice, from the first stage on, takes the first candidate in a fixed
+        order (a stage's options, then segments, shortest first) whose time is within
+        what is left of ``tie`` of the best, and what it gives up is spent from it.
+        The schedule's time is at most ``best_time(m) + tie``, however many choices
+        there are; candidates nearer than ``tie`` (float rounding, two plans priced
+        alike from noisy op times) no longer decide by which is a hair cheaper.
+
+        Example:
+            >>> dp.schedule(100, tie=0.005 * dp.best_time(dp.size - 1))
+        """
         m = min(m, self.size - 1)
         if not math.isfinite(self.best_time(m)):
             raise ValueError(f"no schedule fits in {m} units")
-        return self._tree(TOP, m, 0, self.n - 1)
+        if tie is None:
+            return self._tree(TOP, m, 0, self.n - 1)
+        return self._near_tree(TOP, m, 0, self.n - 1, max(0.0, tie))[0]
 
     def _tree(self, ctx: int, m: int, a: int, b: int) -> Tree:
         code = self._cells.choice(ctx, a, b, m)
-        stages = self.chain.stages
         if code < 0:
             raise AssertionError(f"internal: no choice recorded for stages {a}..{b} at {m}")
+        return self._expand(ctx, m, a, b, code, self._tree)
+
+    def _near_tree(self, ctx: int, m: int, a: int, b: int, slack: float) -> tuple[Tree, float]:
+        """The schedule of cell a..b at ``m`` within ``slack`` of its best, and the slack left."""
+        found = self._cells.candidates(ctx, a, b, m)
+        best = min(v for _, v in found)
+        # Sums of the same terms in another order differ in the last bits: no win.
+        within = best + slack + 1e-9 * abs(best)
+        code, value = next((c, v) for c, v in found if v <= within)
+        left = max(0.0, slack - (value - best))
+
+        def sub(ctx: int, m: int, a: int, b: int) -> Tree:
+            nonlocal left  # sub-cells are scheduled in turn, each spending from it
+            tree, left = self._near_tree(ctx, m, a, b, left)
+            return tree
+
+        return self._expand(ctx, m, a, b, code, sub), left
+
+    def _expand(
+        self, ctx: int, m: int, a: int, b: int, code: int, sub: Callable[[int, int, int, int], Tree]
+    ) -> Tree:
+        """The schedule of cell a..b at ``m`` whose first choice is ``code``, its sub-cells
+        scheduled by ``sub(ctx, m, a, b)``."""
+        stages = self.chain.stages
         if code < _SEGMENT:
             item = UnitStep(a, code)
             if a == b:
@@ -95,9 +133,8 @@ class ChainDP:
             kept = stages[a].options[code].kept + stages[a + 1].input
             # An option that frees its input may leave more than the grid holds: the
             # tables are flat past it (the padding), so the choice there is the last one.
-            rest = min(m - kept, self.size - 1)
-            return [item, *self._tree(ctx, rest, a + 1, b)]
+            return [item, *sub(ctx, min(m - kept, self.size - 1), a + 1, b)]
         j = a + code - _SEGMENT
         inner = min(m - self._cells.grad_shift(j, b), self.size - 1)
-        left = self._tree(NESTED, inner, a, j - 1)
-        return [SegmentStep(left), *self._tree(ctx, m - stages[j].input, j, b)]
+        recompute = sub(NESTED, inner, a, j - 1)
+        return [SegmentStep(recompute), *sub(ctx, m - stages[j].input, j, b)]

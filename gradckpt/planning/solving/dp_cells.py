@@ -151,46 +151,86 @@ class CellTables:
         flat padded table (inf below m = 0, the last entry past the grid)."""
         return self._take(table, rows, shifts, self._steps)
 
-    def _cell(self, ctx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Best time and choice code at every m for stages a..b in context ``ctx``."""
-        stages, scale, size = self.stages, self.scale, self.size
+    def _option_terms(self, ctx: int, a: int, b: int) -> tuple[torch.Tensor, ...]:
+        """Per option of stage ``a`` in cell a..b: its requirement (grid units), what it
+        holds while the rest runs (the rest's shift), and its time."""
         kept, fwd, fwd_nested, bwd, times = self._options[a]
         # The gradients stages a+1..b left are live during a's backward.
         inside = self._prefix[b + 1] - self._prefix[a + 1]
         forward = fwd if ctx == TOP else fwd_nested + inside
-        need = ceil_div(torch.maximum(forward, bwd + inside), scale)
-        table = self._top if ctx == TOP else self._nested
-        if a == b:
-            cands = times[:, None].expand(len(times), size).clone()
-        else:
-            row = torch.full_like(kept, self._row(ctx, a + 1, b))
-            cands = self._read(table, row, kept + int(self._inputs[a + 1])) + times[:, None]
-        cands.masked_fill_(self._steps[None, :] < need[:, None], math.inf)
-        best, which = cands.min(0)
-        # Segments a..j-1 (at least two stages, the rest non-empty), all j at once.
+        need = ceil_div(torch.maximum(forward, bwd + inside), self.scale)
+        shift = kept + int(self._inputs[a + 1]) if a < b else kept
+        return need, shift, times
+
+    def _segment_terms(self, ctx: int, a: int, b: int) -> tuple | None:
+        """Segments a..j-1 (at least two stages, the rest non-empty), all j at once: where
+        their rest and recompute are read, their forward time and requirement (None: no
+        segment starts at ``a`` in this cell)."""
+        stages, scale = self.stages, self.scale
         last = a + 1
         while last + 1 <= b and stages[last].joins_previous:
             last += 1
-        if last > a + 1:
-            inputs = self._inputs[a:last].clone()
-            inputs[0] = 0  # the segment's own input is held by the cell's caller
-            if ctx == TOP:
-                levels = self._none_top[a:last]
-            else:
-                later = self._prefix_t[b + 1] - self._prefix_t[a + 1 : last + 1]
-                levels = ceil_div(self._none_nested[a:last] + later, scale)
-            seg_need = (levels + inputs).cummax(0).values[1:]
-            extra = self._fwd_time[a:last].cumsum(0)[1:]
-            js = torch.arange(a + 2, last + 1)
-            shifts = near_div(self._prefix_t[b + 1] - self._prefix_t[js], scale)
-            rest = (table, js if ctx == TOP else self._uid[js, b], self._inputs[js])
-            inner = (self._nested, self._uid[a, js - 1], shifts)
-            seg_best, seg_which = self._segments(best, rest, inner, extra, seg_need)
+        if last <= a + 1:
+            return None
+        inputs = self._inputs[a:last].clone()
+        inputs[0] = 0  # the segment's own input is held by the cell's caller
+        if ctx == TOP:
+            levels = self._none_top[a:last]
+        else:
+            later = self._prefix_t[b + 1] - self._prefix_t[a + 1 : last + 1]
+            levels = ceil_div(self._none_nested[a:last] + later, scale)
+        seg_need = (levels + inputs).cummax(0).values[1:]
+        extra = self._fwd_time[a:last].cumsum(0)[1:]
+        js = torch.arange(a + 2, last + 1)
+        shifts = near_div(self._prefix_t[b + 1] - self._prefix_t[js], scale)
+        table = self._top if ctx == TOP else self._nested
+        rest = (table, js if ctx == TOP else self._uid[js, b], self._inputs[js])
+        inner = (self._nested, self._uid[a, js - 1], shifts)
+        return rest, inner, extra, seg_need
+
+    def _cell(self, ctx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best time and choice code at every m for stages a..b in context ``ctx``."""
+        need, shift, times = self._option_terms(ctx, a, b)
+        table = self._top if ctx == TOP else self._nested
+        if a == b:
+            cands = times[:, None].expand(len(times), self.size).clone()
+        else:
+            row = torch.full_like(shift, self._row(ctx, a + 1, b))
+            cands = self._read(table, row, shift) + times[:, None]
+        cands.masked_fill_(self._steps[None, :] < need[:, None], math.inf)
+        best, which = cands.min(0)
+        segments = self._segment_terms(ctx, a, b)
+        if segments is not None:
+            seg_best, seg_which = self._segments(best, *segments)
             # Ties go to the stage alone: candidates are ranked options first, then j.
             better = seg_best < best
             best = torch.where(better, seg_best, best)
             which = torch.where(better, seg_which + _SEGMENT + 2, which)
         return best, torch.where(torch.isfinite(best), which.to(torch.int32), -1)
+
+    def candidates(self, ctx: int, a: int, b: int, m: int) -> list[tuple[int, float]]:
+        """Every choice of cell a..b at ``m`` that fits, with its time, in the order ties
+        go: the stage's options first, then segments, shortest first. Times are summed
+        as the fill sums them, so the best of them is the table's value bit for bit."""
+        need, shift, times = self._option_terms(ctx, a, b)
+        at = self._steps[m : m + 1]
+        if a == b:
+            values = times.clone()
+        else:
+            table = self._top if ctx == TOP else self._nested
+            row = torch.full_like(shift, self._row(ctx, a + 1, b))
+            values = self._take(table, row, shift, at)[:, 0] + times
+        values.masked_fill_(m < need, math.inf)
+        found = [(code, float(v)) for code, v in enumerate(values.tolist())]
+        segments = self._segment_terms(ctx, a, b)
+        if segments is not None:
+            rest, inner, extra, seg_need = segments
+            seg = self._take(*rest, at)[:, 0]
+            seg += self._take(*inner, at)[:, 0]
+            seg += extra
+            seg.masked_fill_(m < seg_need, math.inf)
+            found += [(_SEGMENT + 2 + r, float(v)) for r, v in enumerate(seg.tolist())]
+        return [(code, v) for code, v in found if math.isfinite(v)]
 
     def _segments(self, alone, rest, inner, extra, need) -> tuple[torch.Tensor, torch.Tensor]:
         """Best segment candidate and its row at every m, computed only where it can win.

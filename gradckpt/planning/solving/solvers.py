@@ -50,6 +50,7 @@ __all__ = [
     "schedule_plan",
     "solve_dp",
     "sqrt_plan",
+    "tie_seconds",
     "without_segments",
 ]
 
@@ -58,6 +59,21 @@ Solver = Callable[[Profile, int], Plan]
 # its model is exact for uniform plans only, so its answer slightly above the
 # budget may still fit on the simulator, and one slightly below may be needed.
 _RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+#: What the DP may give up, as a share of the plain step's time, for a schedule that
+#: does not move with noise (:meth:`ChainDP.schedule`'s ``tie``). Two fresh profiles
+#: of one model price near-equal plans apart by up to 0.35% of the step (the demo
+#: GPT under load, issue #31), and exactly equal ones apart by float rounding.
+TIE_SHARE = 0.0
+
+
+def tie_seconds(profile: Profile) -> float:
+    """The DP's tie for ``profile``: :data:`TIE_SHARE` of its plain step.
+
+    Example:
+        >>> dp.schedule(m, tie=tie_seconds(prof))
+    """
+    return TIE_SHARE * profile.step_time
 
 
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
@@ -192,7 +208,8 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         capacity = model.chain.capacity
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
             m = min(max(m, least), capacity)
-            plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
+            tree = dp.schedule(m, tie=tie_seconds(profile))
+            plan = Plan(_items(model, tree), profile.fingerprint, offload=model.offload)
             if plan.items in tried:
                 continue
             tried.add(plan.items)
@@ -249,7 +266,8 @@ def _scanned(
     best: tuple[Plan, Prediction] | None = None
     for i in range(points):
         m = least + round(i * (top - least) / (points - 1))
-        plan = Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=model.offload)
+        tree = dp.schedule(m, tie=tie_seconds(profile))
+        plan = Plan(_items(model, tree), profile.fingerprint, offload=model.offload)
         pred = simulate(profile, plan)
         if pred.peak_bytes <= budget and (best is None or pred.step_time < best[1].step_time):
             best = (plan, pred)

@@ -1,0 +1,66 @@
+"""The DP's tie (issue #31): schedules that near-equal times do not decide.
+
+Two fresh profiles of one model price the same plans a hair apart: sums of the
+same terms in another order (float rounding), and op times measured afresh. The
+strict minimum then picks whichever is a hair cheaper, and the plan changes from
+run to run. With a tie, each choice takes the first candidate in a fixed order
+within what is left of the tie, so the whole schedule gives up at most the tie.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradckpt.planning.solving.brute import ReferenceDP, evaluate
+from gradckpt.planning.solving.dp import ChainDP
+from gradckpt.planning.solving.dp_chain import Chain, Option, Stage, UnitStep
+
+from .test_dp import chains
+
+
+@settings(max_examples=120, deadline=None)
+@given(chains(), st.sampled_from([0.0, 0.5, 2.0, 7.0]))
+def test_a_tied_schedule_fits_and_gives_up_at_most_the_tie(chain, tie):
+    dp, reference = ChainDP(chain), ReferenceDP(chain)
+    for m in range(chain.capacity + 1):
+        best = dp.best_time(m)
+        if not math.isfinite(best):
+            continue
+        tree = dp.schedule(m, tie=tie)
+        need, seconds = evaluate(chain, tree)
+        assert need <= m
+        assert best - 1e-9 <= seconds <= best + tie + 1e-9
+        assert tree == reference.schedule(m, tie=tie)  # the same rule, written plainly
+
+
+def _stage(*times: float, input: int = 1) -> Stage:
+    options = tuple(Option(f"o{k}", kept=1, fwd=1, fwd_nested=1, bwd=1, time=t)
+                    for k, t in enumerate(times))  # fmt: skip
+    return Stage(input=input, options=options, none=1, none_nested=1, fwd_time=1.0,
+                 joins_previous=False)  # fmt: skip
+
+
+def _options(tree) -> list[int]:
+    return [step.option for step in tree if isinstance(step, UnitStep)]
+
+
+def test_a_float_rounding_difference_is_no_win():
+    # The second option is cheaper by one unit in the last place: the strict minimum
+    # takes it; with a tie, even of zero, the first stands.
+    chain = Chain((_stage(1.0, math.nextafter(1.0, 0.0), input=0),), capacity=10)
+    dp = ChainDP(chain)
+    assert _options(dp.schedule(10)) == [1]
+    assert _options(dp.schedule(10, tie=0.0)) == [0]
+
+
+def test_the_tie_is_spent_once_over_all_choices():
+    # Two stages, each with a second option 1 ms cheaper than its first.
+    chain = Chain((_stage(1.0, 0.999, input=0), _stage(1.0, 0.999)), capacity=10)
+    dp = ChainDP(chain)
+    assert _options(dp.schedule(10, tie=0.0)) == [1, 1]  # beyond the tie: the faster
+    assert _options(dp.schedule(10, tie=0.0025)) == [0, 0]  # both within it
+    # 1.5 ms of tie: the first choice spends 1 ms of it, the second cannot.
+    assert _options(dp.schedule(10, tie=0.0015)) == [0, 1]
