@@ -188,6 +188,13 @@ class ReferenceDP:
         row = self.table[TOP, 0, self.n - 1]
         return next((m for m, (t, _) in enumerate(row) if math.isfinite(t)), None)
 
+    def leanest_within(self, m: int, tie: float) -> int:
+        m = min(m, self.size - 1)
+        best = self.best_time(m)
+        if not math.isfinite(best):
+            return m
+        return next(k for k in range(m + 1) if self.best_time(k) <= best + tie)
+
     def schedule(self, m: int, tie: float | None = None) -> Tree:
         m = min(m, self.size - 1)
         if not math.isfinite(self.best_time(m)):

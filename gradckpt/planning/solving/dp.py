@@ -77,6 +77,20 @@ class ChainDP:
         feasible = torch.isfinite(self._cells.top_time[0]).nonzero()
         return int(feasible[0]) if len(feasible) else None
 
+    def leanest_within(self, m: int, tie: float) -> int:
+        """The least budget (grid units, at most ``m``) whose best time is within ``tie``
+        seconds of ``m``'s: of plans equally fast within ``tie``, the one that holds least.
+
+        Example:
+            >>> dp.schedule(dp.leanest_within(100, 0.002))
+        """
+        m = min(m, self.size - 1)
+        best = self.best_time(m)
+        if not math.isfinite(best):
+            return m
+        within = (self._cells.top_time[0, : m + 1] <= best + tie).nonzero()
+        return int(within[0])
+
     def schedule(self, m: int, tie: float | None = None) -> Tree:
         """The optimal schedule within ``m`` units (ValueError if none fits).
 

@@ -96,11 +96,14 @@ def _apply_all(plan: Plan, moves: list) -> Plan | None:
 
 
 def polish(
-    profile: Profile, plan: Plan, budget: int, model: ChainModel, pred: Prediction | None = None
-) -> tuple[Plan, Prediction]:
+    profile: Profile, plan: Plan, budget: int, model: ChainModel, pred: Prediction | None = None,
+    tie: float = 0.0,
+) -> tuple[Plan, Prediction]:  # fmt: skip
     """Greedy single moves that save time and keep ``plan`` within ``budget`` on the simulator.
 
     Returns the plan and its prediction (``pred``, the plan's own, saves one simulation).
+    A move is taken only when it saves more than ``tie`` seconds: two fresh profiles
+    price a near-equal move a hair either way, and the plan must not follow the noise.
     Moves are tried in groups that grow while they fit and shrink to one move after a
     group does not: a deep model of identical blocks has hundreds of moves that all
     fit, or none, and one simulation then settles many of them. While each added move
@@ -126,7 +129,7 @@ def polish(
             continue
         trial = simulate(profile, candidate)
         simulations += 1
-        if trial.peak_bytes <= budget and trial.step_time < best.step_time:
+        if trial.peak_bytes <= budget and trial.step_time < best.step_time - tie:
             plan, best = candidate, trial
             start += len(chunk)
             group *= 2

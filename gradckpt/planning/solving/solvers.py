@@ -60,20 +60,28 @@ Solver = Callable[[Profile, int], Plan]
 # budget may still fit on the simulator, and one slightly below may be needed.
 _RETRY_SHARES = (-0.05, -0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 
-#: What the DP may give up, as a share of the plain step's time, for a schedule that
-#: does not move with noise (:meth:`ChainDP.schedule`'s ``tie``). Two fresh profiles
-#: of one model price near-equal plans apart by up to 0.35% of the step (the demo
-#: GPT under load, issue #31), and exactly equal ones apart by float rounding.
-TIE_SHARE = 0.0
+#: What a change to the DP's plan must save, as a share of the plain step's time:
+#: a polish move, a whole-unit baseline, and a schedule that holds more memory (of
+#: the DP's schedules as fast within it, the leanest is taken). Fresh profiles of one
+#: model price near-equal plans a hair either way (the demo GPT under load: a
+#: segment of two blocks against recomputing each, -0.002% to +0.33% of the step).
+TIE_SHARE = 0.001
 
 
 def tie_seconds(profile: Profile) -> float:
-    """The DP's tie for ``profile``: :data:`TIE_SHARE` of its plain step.
+    """What a change to the DP's plan must save to be made: :data:`TIE_SHARE` of the step.
 
     Example:
-        >>> dp.schedule(m, tie=tie_seconds(prof))
+        >>> polish(prof, plan, budget, model, tie=tie_seconds(prof))
     """
     return TIE_SHARE * profile.step_time
+
+
+def _steady_schedule(dp: ChainDP, m: int, profile: Profile) -> Tree:
+    """The DP's schedule within ``m`` units that noise does not move: of schedules as fast
+    within the tie, the one that holds least (memory is measured exactly, times are not),
+    and choices priced within float rounding fall one way, not by the last bit."""
+    return dp.schedule(dp.leanest_within(m, tie_seconds(profile)), tie=0.0)
 
 
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
@@ -168,8 +176,11 @@ def _polished(
     """``plan`` (whose prediction is ``pred``) polished on the simulator, predictions filled
     in; or a whole-unit baseline that simulates faster within the budget (the DP's segment
     model runs low: :mod:`gradckpt.planning.solving.whole_unit`)."""
-    polished, polished_pred = polish(profile, plan, budget, model, pred)
-    faster = faster_baseline(profile, model, polished, polished_pred, budget, segments=segments)
+    tie = tie_seconds(profile)
+    polished, polished_pred = polish(profile, plan, budget, model, pred, tie=tie)
+    faster = faster_baseline(
+        profile, model, polished, polished_pred, budget, segments=segments, tie=tie
+    )
     if faster is not None:
         polished, polished_pred = faster
     return finish(profile, polished, budget, "dp", polished_pred)[0]
@@ -208,7 +219,7 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         capacity = model.chain.capacity
         for m in [*(top - math.ceil(top * s) for s in _RETRY_SHARES), least]:
             m = min(max(m, least), capacity)
-            tree = dp.schedule(m, tie=tie_seconds(profile))
+            tree = _steady_schedule(dp, m, profile)
             plan = Plan(_items(model, tree), profile.fingerprint, offload=model.offload)
             if plan.items in tried:
                 continue
@@ -266,7 +277,7 @@ def _scanned(
     best: tuple[Plan, Prediction] | None = None
     for i in range(points):
         m = least + round(i * (top - least) / (points - 1))
-        tree = dp.schedule(m, tie=tie_seconds(profile))
+        tree = _steady_schedule(dp, m, profile)
         plan = Plan(_items(model, tree), profile.fingerprint, offload=model.offload)
         pred = simulate(profile, plan)
         if pred.peak_bytes <= budget and (best is None or pred.step_time < best[1].step_time):

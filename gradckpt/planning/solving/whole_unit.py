@@ -152,9 +152,11 @@ def faster_baseline(
     budget: int,
     *,
     segments: bool = True,
+    tie: float = 0.0,
 ) -> tuple[Plan, Prediction] | None:
     """The fastest baseline that simulates faster than ``plan`` (whose prediction is
-    ``pred``) within ``budget``, with its prediction; None if there is none.
+    ``pred``) by more than ``tie`` seconds within ``budget``, with its prediction; None
+    if there is none.
 
     Whole-unit schemes are simulated only if priced below ``pred.step_time`` with a
     chain need that fits the budget, fastest first, until one fits on the
@@ -167,9 +169,9 @@ def faster_baseline(
     found: tuple[Plan, Prediction] | None = None
     if segments and any(st.joins_previous for st in model.chain.stages):
         sqrt, sqrt_pred = _sqrt(profile)
-        if sqrt_pred.peak_bytes <= budget and sqrt_pred.step_time < pred.step_time:
+        if sqrt_pred.peak_bytes <= budget and sqrt_pred.step_time < pred.step_time - tie:
             found = replace(sqrt, offload=model.offload), sqrt_pred
-    best = found[1].step_time if found else pred.step_time
+    best = found[1].step_time if found else pred.step_time - tie
     keep = stage_picks(model, [KEEP] * len(model.units))
     schemes = _schemes(profile, model)
     if keep is None or not schemes:
