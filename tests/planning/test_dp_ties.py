@@ -64,3 +64,19 @@ def test_the_tie_is_spent_once_over_all_choices():
     assert _options(dp.schedule(10, tie=0.0025)) == [0, 0]  # both within it
     # 1.5 ms of tie: the first choice spends 1 ms of it, the second cannot.
     assert _options(dp.schedule(10, tie=0.0015)) == [0, 1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(chains(), st.sampled_from([0.0, 1.0, 3.0, 10.0]))
+def test_the_leanest_schedule_within_a_tie_is_the_least_budget_that_fast(chain, tie):
+    dp, reference = ChainDP(chain), ReferenceDP(chain)
+    for m in range(chain.capacity + 1):
+        lean = dp.leanest_within(m, tie)
+        assert lean == reference.leanest_within(m, tie)
+        if not math.isfinite(dp.best_time(m)):
+            assert lean == m
+            continue
+        assert lean <= m and dp.best_time(lean) <= dp.best_time(m) + tie
+        assert lean == 0 or dp.best_time(lean - 1) > dp.best_time(m) + tie
+        need, _ = evaluate(chain, dp.schedule(lean, tie=0.0))
+        assert need <= lean  # it holds no more than the budget it was found at
