@@ -84,15 +84,17 @@ def _leanest_alike(
     pred: Prediction,
 ) -> tuple[Plan, Prediction]:  # fmt: skip
     """Of the DP's schedules as fast as its schedule at ``m`` (``plan``, which fits) within
-    the tie, the one that holds least, if it fits too: memory is measured exactly, times
-    are not, so two fresh profiles' near-equal plans fall the same way, to the leaner."""
+    the tie, the one that holds least, if it peaks lower on the simulator: memory is
+    measured exactly, times are not, so two fresh profiles' near-equal plans fall the
+    same way, to the leaner. One that peaks the same is no leaner (the DP's memory model
+    is coarser than the simulator): ``plan`` stays, the faster on the DP's prices."""
     lean = dp.leanest_within(m, tie_seconds(profile))
     if lean == m:
         return plan, pred
     tree = dp.schedule(lean, tie=0.0)
     candidate = Plan(_items(model, tree), profile.fingerprint, offload=model.offload)
     trial = simulate(profile, candidate)
-    return (candidate, trial) if trial.peak_bytes <= budget else (plan, pred)
+    return (candidate, trial) if trial.peak_bytes < pred.peak_bytes else (plan, pred)
 
 
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
