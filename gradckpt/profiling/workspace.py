@@ -20,7 +20,9 @@ On CPU, kernels also take memory from malloc behind the allocator's back
 reads each op's peak resident growth (:mod:`gradckpt.measure.outside`); what
 it exceeds the allocator's growth by, beyond the probe's noise, is added::
 
-    outside[k] = growth(k) - (peak_during(k) - before(k))   if > noise_bytes() else 0
+    outside[k] = growth(k) - (peak_during(k) - before(k))
+                 if it is > noise_bytes(), or its settled replay's is > settled_noise_bytes()
+                 else 0
 
 and the step's peak is at least ``peak_during(k) + outside[k]`` for every op. Fake profiles run no
 kernels and get no workspace (zero; see ``gradckpt.profiling.records``).

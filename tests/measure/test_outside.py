@@ -230,16 +230,14 @@ BUDGET_CHILD = textwrap.dedent(
 
 
 @needs_probe
-@pytest.mark.xfail(
-    strict=False,
-    reason="#28 item 3, open: the probe's readings vary with load; on 2026-12-03 this held "
-    "in one clean-clone CI run (two pytest workers) and ran 3.5% over in the next, as "
-    "much as with no probe: an op's resident growth was not seen in that run",
-)
 def test_a_dilated_convnet_holds_its_budget_at_malloc_level(run_counted) -> None:
     # Planned from allocator events alone (main before #28 item 3) this plan ran
-    # 3.5% over at malloc level: the atrous pyramid's backward took ~1.4 MiB from
-    # malloc per call with no allocator event.
+    # 3.5% over at malloc level: the atrous pyramid's backward took ~1.2 MiB from
+    # malloc per call with no allocator event. Profiled after the plain steps, the
+    # probe saw it only in some profiles (a 1 MiB replay trigger and floor, and large
+    # blocks reusing the free heap chunks those steps left); it now holds those chunks
+    # for the pass, replays calls above 512 KiB and counts what a run without a trim
+    # shows above 512 KiB (gradckpt.measure.outside).
     plain, budget, predicted, fitted = run_counted(
         BUDGET_CHILD, {"image": 128, "channels": 64, "batch": 4}
     )
