@@ -66,8 +66,9 @@ __all__ = [
 #: The environment variable that turns the probe off (see :func:`switched_off`).
 SWITCH = "GRADCKPT_OUTSIDE_PROBE"
 
-#: Extra runs of a call that grew beyond its outputs: a kernel's threads take their
-#: buffers at once or in turn as they happen to run, and a budget needs the worst.
+#: Extra runs, each after a trim, of a call that grew beyond its outputs: a kernel's
+#: threads take their buffers at once or in turn as they happen to run, and a budget
+#: needs the worst. One settled run (no trim) follows them (:func:`replay_growth`).
 REPLAYS = 2
 
 _M_TRIM_THRESHOLD = -1
@@ -219,7 +220,8 @@ def replay_growth(probe: RssProbe, func: Any, args: tuple, kwargs: dict) -> tupl
     more runs, each after a trim, and then over one run without the trim.
 
     A trimmed run can read pages malloc's own writes into trimmed free chunks fault
-    in (up to ~2 MiB on a dilated convolution's backward, malloc counting 0.05 MiB);
+    in (up to ~2 MiB on a dilated convolution's backward, malloc counting 0.05 MiB,
+    before the large free chunks were held; a few pages since);
     the settled run, after them, reads no such page, but misses a block that reuses
     a free chunk the runs before left resident. So the worst is an upper reading
     and the settled one a lower one: growth a settled run shows above
