@@ -140,6 +140,8 @@ class StepRecorder:
     #: Per-op peak resident growth (op index -> bytes), when a malloc probe ran
     #: (``gradckpt.measure.outside``): what the kernel took outside the allocator too.
     resident_growth: dict[int, int] = field(default_factory=dict)
+    #: Per replayed op, its settled run's growth (``gradckpt.measure.outside.replay_growth``).
+    settled_growth: dict[int, int] = field(default_factory=dict)
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
     #: True between a backward node's post-hook and the next one's pre-hook, where
@@ -365,7 +367,10 @@ class RecordMode(TorchDispatchMode):
             return grown
         handle = open_mark(REPLAY_MARKS + index) if self.mark_ops else None
         try:
-            return replay_growth(self.probe, func, args, kwargs)
+            worst, self.recorder.settled_growth[index] = replay_growth(
+                self.probe, func, args, kwargs
+            )
+            return worst
         finally:
             if handle is not None:
                 close_mark(handle)

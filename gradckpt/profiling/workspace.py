@@ -20,7 +20,9 @@ On CPU, kernels also take memory from malloc behind the allocator's back
 reads each op's peak resident growth (:mod:`gradckpt.measure.outside`); what
 it exceeds the allocator's growth by, beyond the probe's noise, is added::
 
-    outside[k] = growth(k) - (peak_during(k) - before(k))   if > noise_bytes() else 0
+    outside[k] = growth(k) - (peak_during(k) - before(k))
+                 if it is > noise_bytes(), or its settled replay's is > settled_noise_bytes()
+                 else 0
 
 and the step's peak is at least ``peak_during(k) + outside[k]`` for every op. Fake profiles run no
 kernels and get no workspace (zero; see ``gradckpt.profiling.records``).
@@ -42,7 +44,13 @@ from gradckpt.measure.allocator import (
     allocator_block_bytes,
     foreign_profiler_running,
 )
-from gradckpt.measure.outside import RssProbe, noise_bytes, rss_probe, unavailable
+from gradckpt.measure.outside import (
+    RssProbe,
+    noise_bytes,
+    rss_probe,
+    settled_noise_bytes,
+    unavailable,
+)
 from gradckpt.profiling.recorder import REPLAY_MARKS, StepRecorder
 
 __all__ = [
@@ -115,13 +123,16 @@ def op_workspaces(recorder: StepRecorder, events: MemoryEvents, device: torch.de
 
 def outside_bytes(recorder: StepRecorder, spans: dict[int, MarkedSpan]) -> dict[int, int]:
     """Per op, the peak bytes it held outside the allocator (ops with none left out)."""
-    noise = noise_bytes()
+    noise, settled_noise = noise_bytes(), settled_noise_bytes()
     out = {}
     for index, growth in recorder.resident_growth.items():
         span = spans.get(index)
-        extra = growth - (span.peak - span.before) if span is not None else 0
-        if extra > noise:  # below it, the kernel's resident count cannot tell
-            out[index] = extra
+        inside = span.peak - span.before if span is not None else growth
+        settled = recorder.settled_growth.get(index, inside) - inside
+        # Below the floor the kernel's resident count cannot tell, unless a settled
+        # replay (no page malloc's bookkeeping faults in) showed it above its own.
+        if growth - inside > noise or settled > settled_noise:
+            out[index] = growth - inside
     return out
 
 
