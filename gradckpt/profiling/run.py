@@ -91,7 +91,10 @@ def profile(
             take its batch outside it (it runs several times).
         blocks: module paths or a predicate ``(path, module) -> bool`` naming the
             repeated blocks; discovered automatically when None.
-        repeats: plain passes to take per-op median times from.
+        repeats: plain passes to take per-op times from (the least over them). On
+            CPU the first pass also runs the malloc probe, which trims the heap and
+            fills new blocks, so its op times run high: with ``repeats=1`` they
+            are all there is, and plans follow that noise; keep at least 2.
         fake: run under ``FakeTensorMode``: nothing is allocated (plan a model too
             big for this machine, e.g. built on the meta device); op times are
             estimated from FLOPs and bytes.
