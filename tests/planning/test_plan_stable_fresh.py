@@ -28,7 +28,7 @@ def _demo_plan(ex, optimizer) -> gradckpt.Plan:
 @pytest.mark.xfail(
     strict=False,
     reason="issue #31, open: with the tie (0.5% of the step) 98 of 98 fresh demo profiles "
-    "captured under load 2-3 plan alike (the main before: 34 of 40), but under load 4-5 this "
+    "taken under load plan alike (the main before: 34 of 40), but run as this test under load 4-5 the "
     "pair differed in 3 of 6 runs on 2026-12-03: a segment [drop blocks.0 blocks.1] that "
     "peaks 0.5 MiB lower sits at the tie's edge in time. Op times robust to load are needed.",
 )
