@@ -80,3 +80,23 @@ def test_the_leanest_schedule_within_a_tie_is_the_least_budget_that_fast(chain, 
         assert lean == 0 or dp.best_time(lean - 1) > dp.best_time(m) + tie
         need, _ = evaluate(chain, dp.schedule(lean, tie=0.0))
         assert need <= lean  # it holds no more than the budget it was found at
+
+
+@settings(max_examples=80, deadline=None)
+@given(chains(), st.sampled_from([0.0, 1.0, 3.0, 10.0]))
+def test_the_levels_within_a_tie_are_each_faster_time_leanest_first(chain, tie):
+    dp = ChainDP(chain)
+    for m in range(chain.capacity + 1):
+        levels = dp.levels_within(m, tie)
+        if not math.isfinite(dp.best_time(m)):
+            assert levels == []
+            continue
+        own = dp.best_time(m)
+        times = [dp.best_time(k) for k in levels]
+        if levels:
+            assert levels[0] == dp.leanest_within(m, tie)
+        assert levels == sorted(levels) and all(k < m for k in levels)
+        assert all(own < t <= own + tie for t in times)
+        assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+        # Each is the least budget of its time: one unit less is slower.
+        assert all(k == 0 or dp.best_time(k - 1) > dp.best_time(k) for k in levels)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from gradckpt.planning.handlers.effects import StepEffect, combined
+from gradckpt.planning.handlers.engine_counts import EngineCounts
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan
@@ -74,6 +75,8 @@ class Prediction:
     peak_workspace_op: int = -1
     #: Seconds of the engine's own work (dispatch modes, hooks, regions); in step_time.
     engine_time: float = 0.0
+    #: The engine events that ``engine_time`` prices.
+    engine_counts: EngineCounts = field(default_factory=EngineCounts)
     #: Seconds compute waits for plan-wide effects (offload's copies on the simulated
     #: link); in step_time.
     offload_stall: float = 0.0
@@ -264,7 +267,8 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
     where = positions[lives.index(peak)] if lives else plain_at(0)  # the first at the peak
     workspace, op = sim.line.workspace_of.get(where, Workspace(0, -1))
     # The engine's own costs (issue #16): measured per event, counted per plan.
-    engine = engine_seconds(plan_counts(profile, sim.regions, sim.recomputed), step_costs(profile))
+    counts = plan_counts(profile, sim.regions, sim.recomputed)
+    engine = engine_seconds(counts, step_costs(profile))
     stall = effect.stall if effect is not None else 0.0
     step_time = profile.step_time + sim.recompute_time + engine + stall
     fwd_bwd = profile.param_bytes + profile.resident_bytes + peak
@@ -281,6 +285,7 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
         peak_workspace_bytes=workspace,
         peak_workspace_op=op,
         engine_time=engine,
+        engine_counts=counts,
         offload_stall=stall,
         host_bytes=effect.host_bytes if effect is not None else 0,
     )

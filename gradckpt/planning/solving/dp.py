@@ -91,6 +91,25 @@ class ChainDP:
         within = (self._cells.top_time[0, : m + 1] <= best + tie).nonzero()
         return int(within[0])
 
+    def levels_within(self, m: int, tie: float) -> list[int]:
+        """The least budget of each best time within ``tie`` seconds of ``m``'s, leanest
+        first, ``m``'s own level left out: the schedules that hold less for little time.
+
+        Example:
+            >>> [dp.schedule(k) for k in dp.levels_within(100, 0.002)]
+        """
+        m = min(m, self.size - 1)
+        best = self.best_time(m)
+        if not math.isfinite(best):
+            return []
+        times = self._cells.top_time[0, : m + 1].tolist()
+        own = times[m]
+        levels = []
+        for k in range(self.leanest_within(m, tie), m + 1):
+            if times[k] != own and (not levels or times[k] != times[levels[-1]]):
+                levels.append(k)
+        return levels
+
     def schedule(self, m: int, tie: float | None = None) -> Tree:
         """The optimal schedule within ``m`` units (ValueError if none fits).
 
