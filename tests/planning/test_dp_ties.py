@@ -85,9 +85,10 @@ def test_the_leanest_schedule_within_a_tie_is_the_least_budget_that_fast(chain, 
 @settings(max_examples=80, deadline=None)
 @given(chains(), st.sampled_from([0.0, 1.0, 3.0, 10.0]))
 def test_the_levels_within_a_tie_are_each_faster_time_leanest_first(chain, tie):
-    dp = ChainDP(chain)
+    dp, reference = ChainDP(chain), ReferenceDP(chain)
     for m in range(chain.capacity + 1):
         levels = dp.levels_within(m, tie)
+        assert levels == reference.levels_within(m, tie)
         if not math.isfinite(dp.best_time(m)):
             assert levels == []
             continue

@@ -4,11 +4,16 @@ tests/planning/test_costs_stable.py plans twice in one process, where the second
 profile reuses the first one's settled times; here everything a process keeps is
 dropped in between (op and step times, the block's timings, the engine's costs),
 so the second profile measures afresh, as the demo run again in a new process does.
+
+Under load the two profiles price the demo's near-equal plans differently (a
+segment that also recomputes the embedding dropout is 0.44-0.64% of the step
+slower in 16 profiles under load 4); the solver takes a leaner plan within its
+tie only when the difference is within the noise of what differs
+(:func:`gradckpt.planning.solving.solvers.alike_in_time`).
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import gradckpt
@@ -25,13 +30,6 @@ def _demo_plan(ex, optimizer) -> gradckpt.Plan:
     return gradckpt.Planner(prof).plan(0.5)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue #31, open: with the tie (0.5% of the step) 98 of 98 fresh demo profiles "
-    "taken under load plan alike (the main before: 34 of 40), but run as this test under load 4-5 the "
-    "pair differed in 3 of 6 runs on 2026-12-03: a segment [drop blocks.0 blocks.1] that "
-    "peaks 0.5 MiB lower sits at the tie's edge in time. Op times robust to load are needed.",
-)
 def test_two_fresh_profiles_of_the_demo_model_plan_the_same_decisions(one_thread):
     ex = make("gpt", seed=0, **DEMO_SIZES)
     optimizer = torch.optim.AdamW(ex.model.parameters(), lr=LR)

@@ -195,6 +195,18 @@ class ReferenceDP:
             return m
         return next(k for k in range(m + 1) if self.best_time(k) <= best + tie)
 
+    def levels_within(self, m: int, tie: float) -> list[int]:
+        m = min(m, self.size - 1)
+        if not math.isfinite(self.best_time(m)):
+            return []
+        levels: list[int] = []
+        for k in range(self.leanest_within(m, tie), m):
+            if self.best_time(k) == self.best_time(m):
+                break  # the time is non-increasing in the budget: m's level from here on
+            if k == 0 or self.best_time(k) != self.best_time(k - 1):
+                levels.append(k)
+        return levels
+
     def schedule(self, m: int, tie: float | None = None) -> Tree:
         m = min(m, self.size - 1)
         if not math.isfinite(self.best_time(m)):
