@@ -16,16 +16,16 @@ them to its predicted time (:mod:`gradckpt.planning.simulation.costs`).
 
 Tiny chains miss what a real block pays per op (ops with weights, views and
 more arguments cost the dispatch modes more, and a real block's Python runs
-again in a recompute), so a profile also times one of the model's own blocks
-plain, as a region and as a selective region (:func:`time_unit_regions`); the
-planner takes its per-op costs from that unit when it has one
+again in a recompute), so a profile also times the forward of one of the model's own
+blocks as a region and as a selective region (:func:`time_unit_regions`); the
+planner takes the policy's per-op cost from that unit when it has one
 (:func:`gradckpt.planning.simulation.costs.step_costs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -58,10 +58,9 @@ class EngineCosts:
     saved_tensor: float = 0.0  # a tensor saved inside a region: pack, refill, unpack
     device: str = ""
     # One of the model's own units, timed (seconds; "" and 0: not measured): its forward
-    # and backward plain and as a region, and what a policy asked about each of its ops
-    # adds to the region's forward. The planner's per-op costs come from these.
+    # as a region, and what a policy asked about each of its ops adds to it. The
+    # planner's per-op policy cost comes from these.
     unit: str = ""
-    unit_plain: float = 0.0
     unit_region: float = 0.0
     unit_policy: float = 0.0
 
@@ -70,7 +69,10 @@ class EngineCosts:
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> EngineCosts:
-        return cls(**data) if data else cls()
+        # Profiles before issue #31's last change also timed the unit plain
+        # ("unit_plain") and its region with a backward; nothing prices those.
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in known})
 
 
 # Chains of tiny ops: long enough that per-op costs stand out of the per-step ones.
@@ -188,10 +190,9 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
 
 @dataclass(frozen=True)
 class UnitTimes:
-    """Seconds of a real unit: forward and backward plain and as a region, and what a
-    policy asked about every op adds to the region's forward."""
+    """Seconds of a real unit's forward as a region, and what a policy asked about every
+    op adds to it."""
 
-    plain: float
     region: float
     policy: float
 
@@ -200,71 +201,43 @@ def time_unit_regions(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict[str, Any],
-    leaves: list[torch.Tensor],
     device: str | torch.device = "cpu",
-    rounds: int = _ROUNDS,
+    rounds: int = 2 * _ROUNDS,
 ) -> UnitTimes:
-    """Time ``fn(*args, **kwargs)`` forward and backward plain and as a region, and its
-    forward as a region and as a selective region (a policy asked about every op,
-    recomputing all of them): the policy's cost is the difference of the two forwards,
-    which are short, so it stands out of the noise better than in whole steps.
-
-    The backward is ``torch.autograd.grad`` with respect to ``leaves`` (the unit's
-    parameters and its inputs that need gradients): the same work as a training
-    step's backward, and nothing is accumulated into ``.grad``. The three cases
-    are interleaved in each round and each takes its least time over the rounds,
-    on :func:`~gradckpt.measure.timing.work_clock`. The RNG is left as found; the
-    caller restores anything else ``fn`` changes (buffers).
+    """Time ``fn(*args, **kwargs)``'s forward as a region and as a selective region (a
+    policy asked about every op, recomputing all of them): the policy's cost is the
+    difference of the two, which are short, so it stands out of the noise better than in
+    whole steps. The two are interleaved in each round and each takes its least time over
+    the rounds, on :func:`~gradckpt.measure.timing.work_clock`. The RNG is left as found;
+    the caller restores anything else ``fn`` changes (buffers).
 
     Example:
-        >>> t = time_unit_regions(block, (x,), {}, [x, *block.parameters()])
-        >>> t.region - t.plain  # what recomputing the block costs, engine included
+        >>> t = time_unit_regions(block, (x,), {})
+        >>> t.policy / n_ops  # what asking a policy costs per op
     """
     where = torch.device(device)
     clock, sync = work_clock(where), _synchronizer(where)
-
-    def step(run: Callable[[], Any]) -> Callable[[], None]:
-        def once() -> None:
-            out = run()
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            if outs:
-                torch.autograd.grad(
-                    outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True
-                )
-
-        return once
 
     def call(*a: Any) -> Any:  # keyword arguments by closure: none can clash with checkpoint's
         return fn(*a, **kwargs)
 
     cases = {
-        "plain": step(lambda: call(*args)),
-        "region": step(lambda: checkpoint(call, *args)),
-        "region forward": lambda: checkpoint(call, *args),
-        "policy forward": lambda: checkpoint(call, *args, policy=_recompute_all),
+        "region": lambda: checkpoint(call, *args),
+        "policy": lambda: checkpoint(call, *args, policy=_recompute_all),
     }
     samples: dict[str, list[float]] = {name: [] for name in cases}
     with torch.random.fork_rng(devices=[]):
         for once in cases.values():  # warm-up
             once()
-        for i in range(2 * rounds):
+        for _ in range(rounds):
             for name, once in cases.items():
-                if i >= rounds and "forward" not in name:
-                    continue  # the forwards' difference is the small one: more rounds
                 sync()
                 start = clock()
                 once()
                 sync()
                 samples[name].append(clock() - start)
     t = {name: low_estimate(times) for name, times in samples.items()}
-    return UnitTimes(t["plain"], t["region"], t["policy forward"] - t["region forward"])
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors in a unit's output (a tensor, a tuple, a dict, ...)."""
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return UnitTimes(t["region"], t["policy"] - t["region"])
 
 
 def engine_costs(device: str | torch.device = "cpu") -> EngineCosts:

@@ -4,11 +4,12 @@ The per-op costs measured on chains of tiny ops
 (:mod:`gradckpt.measure.engine_costs`) miss what a real block pays: on the
 demo's GPT a plan of selective units ran 13 points slower than predicted
 (issue #31). So a profile captures the arguments of one call of the first
-block while it times the plain step, and afterwards times that block on them
-forward and backward plain, as a region and as a selective region
+block while it times the plain step, and afterwards times that block's forward
+on them as a region and as a selective region
 (:func:`~gradckpt.measure.engine_costs.time_unit_regions`). The seconds go into
 the profile's :class:`~gradckpt.measure.engine_costs.EngineCosts`; the planner
-turns them into per-op costs (:func:`gradckpt.planning.simulation.costs.step_costs`).
+turns them into the policy's per-op cost
+(:func:`gradckpt.planning.simulation.costs.step_costs`).
 
 Like op times, a unit's times are kept for the process
 (:func:`gradckpt.profiling.calibration.settled_unit_times`): profiling the same
@@ -88,16 +89,15 @@ def with_unit_times(profile: Profile, call: CapturedCall) -> Profile:
 
     Example:
         >>> prof = with_unit_times(prof, call)
-        >>> prof.engine_costs.unit_region - prof.engine_costs.unit_plain  # a recompute's cost
+        >>> prof.engine_costs.unit_policy  # what a policy adds to the block's region forward
     """
     module = call.module
     record = next((u for u in profile.units if u.module_path == call.path), None)
     if module is None or record is None or not (record.is_block and record.plannable):
         return profile
-    leaves = [p for p in module.parameters() if p.requires_grad]
-    leaves += [t for t in _flat(call.args, call.kwargs) if t.requires_grad]
-    if not leaves:
-        return profile
+    tensors = [*module.parameters(), *_flat(call.args, call.kwargs)]
+    if not any(t.requires_grad for t in tensors):
+        return profile  # nothing to differentiate: no region would record it
     shapes = tuple(tuple(t.shape) for t in _flat(call.args, call.kwargs))
     key = (profile.device, profile.fingerprint, call.path, shapes)
 
@@ -105,7 +105,7 @@ def with_unit_times(profile: Profile, call: CapturedCall) -> Profile:
         buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
         try:
             with torch.enable_grad():
-                return time_unit_regions(module, call.args, call.kwargs, leaves, profile.device)
+                return time_unit_regions(module, call.args, call.kwargs, profile.device)
         except Exception:  # a unit that cannot run alone: the tiny chains' costs stand
             return None
         finally:
@@ -117,9 +117,8 @@ def with_unit_times(profile: Profile, call: CapturedCall) -> Profile:
     if times is None:
         return profile
     costs = replace(
-        profile.engine_costs, unit=call.path, unit_plain=times.plain,
-        unit_region=times.region, unit_policy=times.policy,
-    )  # fmt: skip
+        profile.engine_costs, unit=call.path, unit_region=times.region, unit_policy=times.policy
+    )
     return replace(profile, engine_costs=costs)
 
 

@@ -28,7 +28,7 @@ def test_profiles_carry_the_process_costs_through_json(tmp_path):
     ex = make("mlp", blocks=2, width=8, hidden=16, batch=2)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     # The process's per-op costs, and the timings of the model's first block (issue #31).
-    per_op = dataclasses.replace(prof.engine_costs, unit="", unit_plain=0.0, unit_region=0.0,
+    per_op = dataclasses.replace(prof.engine_costs, unit="", unit_region=0.0,
                                  unit_policy=0.0)  # fmt: skip
     assert per_op == engine_costs("cpu")
     assert prof.engine_costs.unit == "blocks.0"
