@@ -11,12 +11,15 @@ from gradckpt.testing import make
 
 
 def test_measured_costs_are_positive_where_python_runs_per_op():
-    costs = measure_engine_costs("cpu")
-    assert costs.device == "cpu"
+    # Three measurements: each cost is a difference of timed steps, and under load
+    # (the suite's other worker and more) one of them read 0 in a CI run.
+    measured = [measure_engine_costs("cpu") for _ in range(3)]
+    assert all(c.device == "cpu" for c in measured)
     # A recompute and a selective forward run every op through a Python dispatch
     # mode, and a region captures RNG state and installs hooks: never free.
-    assert costs.recompute_op > 0 and costs.policy_op > 0 and costs.region > 0
-    assert costs.saved_tensor >= 0
+    for cost in ("recompute_op", "policy_op", "region"):
+        assert max(getattr(c, cost) for c in measured) > 0, cost
+    assert all(c.saved_tensor >= 0 for c in measured)
 
 
 def test_costs_are_measured_once_per_process_and_device():
