@@ -4,8 +4,8 @@ within the budget at the allocator, and what they log as measured is that step's
 Issue #27: a plan with multi-unit segments was installed after the model's
 ``forward`` had been taken for the first call, so that step ran without its
 segments (3.4x over) while the log said it was within budget; and
-``measure_candidates=0`` crashed the first step. Here the budget is low enough
-that the plan has segments; the callback's step is measured independently by an
+``measure_candidates=0`` crashed the first step. Here the plan is the sqrt(N)
+solver's, segments over several blocks; the callback's step is measured independently by an
 allocator tracker opened after planning (when the callback's plan exists) and
 closed at the end of that optimizer step, and compared with the report.
 """
@@ -31,7 +31,7 @@ from gradckpt.planning.plans.plan import Segment
 from .conftest import TokenData
 
 SEQ, VOCAB, BATCH = 128, 512, 4
-FRACTION = 0.55  # of the plain step's peak: a plan with segments over several blocks
+FRACTION = 0.55  # of the plain step's peak: the sqrt(N) plan fits there, the plain step does not
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,14 +94,15 @@ def plain_peak(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-# One candidate: the DP's plan (with its segments) is the one checked and kept; with more,
-# a faster-measured plan of another kind may win and the plan need not have segments.
+# The sqrt(N) solver: segments over several blocks whatever the DP would prefer at this
+# budget (its plan there is selective or segmented as fresh op times fall). One candidate:
+# that plan is the one checked and kept; with more, a plan of another kind may win.
 @pytest.mark.parametrize("count", [1, 0], ids=["count-1", "count-0"])
 def test_hf_first_planned_step_runs_under_the_whole_plan_and_is_what_is_logged(
     tmp_path, plain_peak, count
 ):
     budget = int(FRACTION * plain_peak)
-    callback = BudgetCallback(budget, measure_candidates=count)
+    callback = BudgetCallback(budget, measure_candidates=count, solver="sqrt")
     watcher = _FirstPlannedStep(callback)
     model = _model()
     trainer = _trainer(tmp_path, model, [callback, watcher], max_steps=1, watcher=watcher)
@@ -185,15 +186,16 @@ def _lightning_watcher(budget_callback):
     return FirstPlannedBatch()
 
 
-# One candidate: the DP's plan (with its segments) is the one checked and kept; with more,
-# a faster-measured plan of another kind may win and the plan need not have segments.
+# The sqrt(N) solver: segments over several blocks whatever the DP would prefer at this
+# budget (its plan there is selective or segmented as fresh op times fall). One candidate:
+# that plan is the one checked and kept; with more, a plan of another kind may win.
 @pytest.mark.parametrize("count", [1, 0], ids=["count-1", "count-0"])
 def test_lightning_first_planned_step_runs_under_the_whole_plan_and_is_what_is_logged(count):
     from gradckpt.integrations.lightning import BudgetCallback as LightningBudgetCallback
 
     plain = _lightning_run(_lightning_module(), [], max_steps=2)
     budget = int(FRACTION * plain)
-    callback = LightningBudgetCallback(budget, measure_candidates=count)
+    callback = LightningBudgetCallback(budget, measure_candidates=count, solver="sqrt")
     watcher = _lightning_watcher(callback)  # after the callback: it starts once the plan exists
     module = _lightning_module()
     _lightning_run(module, [callback, watcher], max_steps=1)
