@@ -116,6 +116,10 @@ def tie_seconds(profile: Profile) -> float:
     return TIE_SHARE * profile.step_time
 
 
+# Schedules within the tie tried, leanest first (each is one simulation).
+_ALIKE_TRIES = 4
+
+
 def _leanest_alike(
     profile: Profile, model: ChainModel, dp: ChainDP, m: int, budget: int, plan: Plan,
     pred: Prediction,
@@ -136,10 +140,6 @@ def _leanest_alike(
         if leaner and (trial.step_time <= pred.step_time or alike_in_time(profile, pred, trial)):
             return candidate, trial
     return plan, pred
-
-
-# Schedules within the tie tried, leanest first (each is one simulation).
-_ALIKE_TRIES = 4
 
 
 def _items(model: ChainModel, tree: Tree) -> tuple[Item, ...]:
