@@ -19,6 +19,7 @@ import torch
 from gradckpt.engine.offload.boundary import boundary_argument, run_boundary_offloaded
 from gradckpt.engine.offload.session import OffloadSession, run_offloaded
 from gradckpt.engine.offload.store import HostCopyBackend
+from gradckpt.engine.offload.stream import run_streamed
 
 __all__ = ["OffloadRuntime"]
 
@@ -27,14 +28,17 @@ class OffloadRuntime:
     """Options and the (lazily made) session shared by a model's offloaded units.
 
     Example:
-        >>> runtime = OffloadRuntime(min_bytes=4096, prefetch=True, host_budget=None)
+        >>> runtime = OffloadRuntime(min_bytes=4096, prefetch=True, host_budget=None, stream=False)
         >>> out = runtime.run(spec, (x,), {})
     """
 
-    def __init__(self, min_bytes: int, prefetch: bool, host_budget: int | None) -> None:
+    def __init__(
+        self, min_bytes: int, prefetch: bool, host_budget: int | None, stream: bool = False
+    ) -> None:
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.host_budget = host_budget
+        self.stream = stream  # Offload units stream (:mod:`gradckpt.engine.offload.stream`)
         self.session: OffloadSession | None = None
 
     def session_for(self, device: torch.device) -> OffloadSession:
@@ -54,7 +58,8 @@ class OffloadRuntime:
         keep = (*module.parameters(), *module.buffers())
         device = next((t.device for t in keep), None) or _first_device(args, kwargs)
         session = self.session_for(device)
-        return run_offloaded(session, unit.path, unit.body or unit.plain, args, kwargs, keep)
+        run = run_streamed if self.stream else run_offloaded
+        return run(session, unit.path, unit.body or unit.plain, args, kwargs, keep)
 
     def run_boundary(
         self, unit: Any, args: tuple, kwargs: dict, arg: int, region: Callable[[], Any]

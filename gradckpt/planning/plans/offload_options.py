@@ -25,6 +25,12 @@ class OffloadOptions:
             Pinned pages are not swappable: state what the host can spare.
         min_bytes: storages smaller than this are never moved.
         prefetch: load a unit's tensors one offloaded unit ahead of its backward.
+        stream: ``Offload`` units move each saved tensor when it is saved and bring
+            it back one tensor ahead of its use, instead of all of a unit's tensors
+            after its forward and before its backward: a unit's backward then holds
+            a tensor or two of what it saved, not all of it, so the least peak falls
+            below recompute's; compute waits for every copy out and for copies back
+            the backward does not cover (:mod:`gradckpt.planning.kinds.offload.stream`).
 
     Example:
         >>> gradckpt.plan(model, loss_fn, "1GiB", offload=OffloadOptions(host_budget=8 << 30))
@@ -36,6 +42,7 @@ class OffloadOptions:
     host_budget: int | None = None
     min_bytes: int = 4096
     prefetch: bool = True
+    stream: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d2h_bandwidth", "h2d_bandwidth"):

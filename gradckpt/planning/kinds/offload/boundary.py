@@ -30,7 +30,8 @@ from gradckpt.engine.offload.runtime import OffloadRuntime
 from gradckpt.planning.handlers.effects import StepEffect
 from gradckpt.planning.handlers.lookup import Lookup
 from gradckpt.planning.handlers.registry import register
-from gradckpt.planning.kinds.offload.sim import offload_effect, stage_stall, step_effect
+from gradckpt.planning.kinds.offload.sim import stage_stall
+from gradckpt.planning.kinds.offload.stream import whole_effect
 from gradckpt.planning.kinds.recompute import RecomputeHandler
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
@@ -110,11 +111,11 @@ class RecomputeOffloadHandler(RecomputeHandler):
             return None
         if not any(isinstance(d, RecomputeOffload) for d in top):
             return None  # nested ones run as Recompute
-        return step_effect(profile, offload_effect(profile, plan, plan.offload))
+        return whole_effect(profile, plan)
 
     def install(self, plan: Any) -> OffloadRuntime:
         options = getattr(plan, "offload", None) or OffloadOptions()
-        return OffloadRuntime(options.min_bytes, options.prefetch, options.host_budget)
+        return OffloadRuntime(options.min_bytes, options.prefetch, options.host_budget, options.stream)
 
     def run(self, unit: Any, args: tuple, kwargs: dict, *, in_recompute: bool) -> Any:
         region = super().run

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gradckpt.engine.decisions import KEEP, RECOMPUTE, Offload, RecomputeOffload
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.kinds.offload.boundary import offloadable_boundary
@@ -87,6 +89,9 @@ def least_peak_offload(
                   for r in (False, True)]  # fmt: skip
     if m is not None:
         plans.insert(0, Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=options))
+    if not options.stream:  # each of them again with offloaded blocks streamed
+        streamed = replace(options, stream=True)
+        plans += [replace(p, offload=streamed) for p in plans]
     for plan in plans:
         # Repaired (lower, but its moves may offload more than the host holds) and as built.
         candidates += [repair(profile, plan, 0, model), (plan, simulate(profile, plan))]

@@ -22,12 +22,8 @@ from gradckpt.planning.handlers.effects import StepEffect
 from gradckpt.planning.handlers.lookup import Lookup
 from gradckpt.planning.handlers.registry import register
 from gradckpt.planning.kinds.keep import KeepHandler
-from gradckpt.planning.kinds.offload.sim import (
-    moved_storages,
-    offload_effect,
-    stage_stall,
-    step_effect,
-)
+from gradckpt.planning.kinds.offload.sim import moved_storages, stage_stall
+from gradckpt.planning.kinds.offload.stream import whole_effect
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
 from gradckpt.profiling.records import Profile, UnitRecord
@@ -70,11 +66,11 @@ class OffloadHandler(KeepHandler):
         top = (i.decision for i in plan.items if isinstance(i, UnitChoice))
         if not any(isinstance(decision, Offload) for decision in top):
             return None
-        return step_effect(profile, offload_effect(profile, plan, plan.offload))
+        return whole_effect(profile, plan)
 
     def install(self, plan: Any) -> OffloadRuntime:
         options = getattr(plan, "offload", None) or OffloadOptions()
-        return OffloadRuntime(options.min_bytes, options.prefetch, options.host_budget)
+        return OffloadRuntime(options.min_bytes, options.prefetch, options.host_budget, options.stream)
 
     def run(self, unit: Any, args: tuple, kwargs: dict, *, in_recompute: bool) -> Any:
         if in_recompute or unit.runtime is None or unit.segments:

@@ -152,8 +152,11 @@ def boundary_storages(
     return (sid,) if profile.storages[sid].nbytes >= min_bytes else ()
 
 
-def _moves(decision: object) -> bool:
-    return isinstance(decision, (Offload, RecomputeOffload))
+def _moves(decision: object, options: OffloadOptions) -> bool:
+    # Streamed ``Offload`` units are :mod:`~gradckpt.planning.kinds.offload.stream`'s.
+    return isinstance(decision, RecomputeOffload) or (
+        isinstance(decision, Offload) and not options.stream
+    )
 
 
 def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None) -> OffloadEffect:
@@ -167,7 +170,7 @@ def offload_effect(profile: Profile, plan: Plan, options: OffloadOptions | None)
     by_path = {u.path: u for u in profile.units}
     chosen = [
         (by_path[item.path], item.decision) for item in plan.items
-        if isinstance(item, UnitChoice) and _moves(item.decision) and item.path in by_path
+        if isinstance(item, UnitChoice) and _moves(item.decision, options) and item.path in by_path
     ]  # fmt: skip
     chosen.sort(key=lambda pair: pair[0].first_op)
     needs = [_first_unpack(profile, u) for u, _ in chosen]

@@ -212,7 +212,9 @@ def solve_offload(
         assert error is not None
         raise error
     best = min(candidates, key=lambda p: p.predicted_step_time)
-    return replace(best, offload=options)
+    # The leanest plan may stream offloaded blocks (the floor's search tries both modes).
+    streamed = best.offload is not None and best.offload.stream
+    return replace(best, offload=replace(options, stream=True) if streamed else options)
 
 
 def offload_candidates(

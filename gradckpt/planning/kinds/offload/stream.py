@@ -1,0 +1,166 @@
+"""The simulator's view of streamed offload (``OffloadOptions(stream=True)``).
+
+Grouped offload (:mod:`gradckpt.planning.kinds.offload.sim`) moves a unit's
+saved tensors when its forward ends and brings all of them back before its
+backward, so a unit's backward still holds everything it saved: the least
+peak with it is the least peak of recompute. Streamed offload follows the
+engine's stream mode (:class:`gradckpt.engine.offload.session.OffloadGroup`)
+tensor by tensor:
+
+* **out when saved**: each storage a unit's forward creates and autograd
+  saves (not its output, at least ``min_bytes``) is copied to host at its
+  first pack; compute waits for that copy, and the storage then lives only as
+  long as the forward itself uses it (``natural_free``);
+* **back one storage ahead**: in backward, a storage's first unpack loads it
+  (if it is not already loaded) and starts loading the next one in the
+  unit's reload order (saved last, first), so one reload overlaps the
+  backward in between; a reload buffer lives until its saved tensors are
+  released.
+
+Only ``Offload`` units stream; a plan's ``RecomputeOffload`` units keep the
+grouped rules among themselves (:func:`whole_effect` combines the two).
+
+Example:
+    >>> effect = stream_effect(prof, plan, OffloadOptions(stream=True))
+    >>> effect.host_bytes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradckpt.engine.decisions import Offload, RecomputeOffload
+from gradckpt.planning.handlers.effects import Buffer, StepEffect, combined
+from gradckpt.planning.kinds.offload.cost import (
+    Compute,
+    Issue,
+    Wait,
+    run_timeline,
+    transfer_seconds,
+)
+from gradckpt.planning.kinds.offload.sim import (
+    _cumulative_time,
+    moved_storages,
+    offload_effect,
+    step_effect,
+)
+from gradckpt.planning.plans.offload_options import OffloadOptions
+from gradckpt.planning.plans.plan import Plan, UnitChoice
+from gradckpt.profiling.records import Profile
+
+__all__ = ["StreamedStorage", "stream_effect", "streamed_storages", "whole_effect"]
+
+
+@dataclass(frozen=True)
+class StreamedStorage:
+    """One storage a streamed unit moves, in profile positions."""
+
+    path: str
+    storage: int
+    nbytes: int
+    out: int  # its first pack: copied out here, compute waits
+    load: int  # its reload starts here
+    need: int  # its first unpack
+    release: int  # its last saved tensor is released: the reload buffer goes
+
+
+def streamed_storages(profile: Profile, plan: Plan, options: OffloadOptions) -> list[StreamedStorage]:
+    """Every storage the plan's top-level ``Offload`` units stream, with its positions.
+
+    Example:
+        >>> [s.nbytes for s in streamed_storages(prof, plan, OffloadOptions(stream=True))]
+    """
+    by_path = {u.path: u for u in profile.units}
+    out: list[StreamedStorage] = []
+    for item in plan.items:
+        if not (isinstance(item, UnitChoice) and isinstance(item.decision, Offload)):
+            continue
+        unit = by_path.get(item.path)
+        if unit is None:
+            continue
+        sids = set(moved_storages(profile, unit, options.min_bytes))
+        packs = [p for p in profile.packs if p.unit == unit.index and p.storage in sids]
+        first_pack = {s: min(p.position for p in packs if p.storage == s) for s in sids}
+        last_pack = {s: max(p.position for p in packs if p.storage == s) for s in sids}
+        need = {s: min(p.unpack for p in packs if p.storage == s) for s in sids}
+        release = {s: max(p.release for p in packs if p.storage == s) for s in sids}
+        order = sorted(sids, key=lambda s: -last_pack[s])  # the engine's reload order
+        loaded: dict[int, int] = {}
+        for s in sorted(sids, key=lambda s: need[s]):
+            at = need[s]
+            loaded.setdefault(s, at)
+            after = order[order.index(s) + 1 :]
+            nxt = next((t for t in after if t not in loaded), None)
+            if nxt is not None and options.prefetch:
+                loaded[nxt] = at
+        out += [
+            StreamedStorage(item.path, s, profile.storages[s].nbytes, first_pack[s], loaded[s],
+                            need[s], release[s])
+            for s in order
+        ]  # fmt: skip
+    return out
+
+
+def stream_effect(profile: Profile, plan: Plan, options: OffloadOptions) -> StepEffect | None:
+    """The streamed units' effect on the step: saved tensors that no longer hold their
+    storage, the reload buffers, the host bytes and the copies' stall.
+
+    Example:
+        >>> stream_effect(prof, plan, OffloadOptions(stream=True)).buffers
+    """
+    moved = streamed_storages(profile, plan, options)
+    if not moved:
+        return None
+    units = {u.path: u.index for u in profile.units}
+    keys = {(units[m.path], m.storage) for m in moved}
+    released = frozenset(p.id for p in profile.packs if (p.unit, p.storage) in keys)
+    buffers = tuple(Buffer(m.nbytes, m.load, m.release) for m in moved)
+    return StepEffect(
+        released_packs=released,
+        buffers=buffers,
+        stall=_stall(profile, moved, options),
+        host_bytes=sum(m.nbytes for m in moved),
+    )
+
+
+def _stall(profile: Profile, moved: list[StreamedStorage], options: OffloadOptions) -> float:
+    """Seconds compute waits: every copy out in full, each copy back for what the backward
+    between its load and its use does not cover."""
+    events: list[tuple[int, int, object]] = []
+    for i, m in enumerate(moved):
+        d2h = transfer_seconds(m.nbytes, 1, options.d2h_bandwidth, options.transfer_latency)
+        h2d = transfer_seconds(m.nbytes, 1, options.h2d_bandwidth, options.transfer_latency)
+        events += [
+            (m.out, 0, Issue(("out", i), d2h)), (m.out, 1, Wait(("out", i))),
+            (m.load, 2, Issue(("in", i), h2d)), (m.need, 3, Wait(("in", i))),
+        ]  # fmt: skip
+    events.sort(key=lambda e: (e[0], e[1]))
+    at = _cumulative_time(profile)
+    steps, done = [], 0.0
+    for position, _, step in events:
+        now = at(position)
+        steps.append(Compute(now - done))
+        done = now
+        steps.append(step)
+    return run_timeline(steps).stall
+
+
+def whole_effect(profile: Profile, plan: Plan) -> StepEffect | None:
+    """The plan's offload as the simulator applies it: grouped units and moved inputs by
+    :mod:`~gradckpt.planning.kinds.offload.sim`, streamed units by :func:`stream_effect`.
+
+    Example:
+        >>> whole_effect(prof, plan).host_bytes
+    """
+    options = plan.offload or OffloadOptions()
+    top = [i.decision for i in plan.items if isinstance(i, UnitChoice)]
+    grouped = any(
+        isinstance(d, RecomputeOffload) or (isinstance(d, Offload) and not options.stream)
+        for d in top
+    )
+    effects = []
+    if grouped:
+        effects.append(step_effect(profile, offload_effect(profile, plan, options)))
+    if options.stream:
+        effects.append(stream_effect(profile, plan, options))
+    return combined(e for e in effects if e is not None)
