@@ -18,9 +18,10 @@ model planned under fake tensors (accelerator op times only; nothing measured).
 For each model, link and time source: the Pareto frontier (predicted peak,
 predicted overhead over the plain step) of the DP without offload, and with
 keep / recompute / offload chosen jointly (``gradckpt.frontier(..., offload=)``). A
-recomputed block may also move the input it keeps to host (``recompute_offload``), so
-the curve with offload goes on below the least peak without it wherever those inputs
-are part of that peak (floors, the plan at 0.9 x the floor without offload, and their
+recomputed block may also move the input it keeps to host (``recompute_offload``), and
+offloaded blocks may stream (each saved tensor out when saved, back one ahead of its
+use: ``OffloadOptions(stream=True)``), so the curve with offload goes on below the
+least peak without it (floors, the plan at 0.9 x the floor without offload, and their
 runs: ``benchmarks/offload_floor.py``).
 
 What is measured (host-copy backend: saved bytes leave torch's allocator for a
@@ -222,6 +223,7 @@ def _measure(ex, prof: gradckpt.Profile, plan: gradckpt.Plan) -> dict[str, Any]:
     )
     return {
         "offloaded": [u.path for u in plan.units if u.mode == "offload"],
+        "streamed": bool(plan.offload is not None and plan.offload.stream),
         "boundaries": [u.path for u in plan.units if u.mode == "recompute_offload"],
         "other": {u.path: u.mode for u in plan.units if u.mode not in ("keep", *MOVING)},
         "predicted_peak_bytes": pred.peak_bytes,
@@ -273,14 +275,15 @@ def render(data: dict[str, Any]) -> str:
             lines += ["Nothing measured: planned under fake tensors (too big for this machine).",
                       ""]  # fmt: skip
             continue
-        rows = [[", ".join(m["offloaded"]) or "-", ", ".join(m.get("boundaries", ())) or "-",
+        rows = [[", ".join(m["offloaded"]) or "-", "yes" if m.get("streamed") else "no",
+                 ", ".join(m.get("boundaries", ())) or "-",
                  ", ".join(f"{k}: {v}" for k, v in m["other"].items())
                  or "-", mib2(m["predicted_peak_bytes"]), mib2(m["measured_peak_bytes"]),
                  mib2(m["predicted_host_bytes"]), mib2(m["measured_host_bytes"]),
                  "yes" if m["gradients_bit_equal"] else "**NO**"] for m in result["measured"]]  # fmt: skip
         lines += ["Measured (host-copy backend) for the offloading plans of the 25 GB/s, cpu "
                   "setting (frontier points, and plans at up to six budgets):", "", markdown_table(
-            ["offloaded", "input offloaded (recompute_offload)", "other decisions",
+            ["offloaded", "streamed", "input offloaded (recompute_offload)", "other decisions",
              "predicted peak (MiB)", "measured peak, allocator "
              "(MiB)", "predicted host (MiB)", "measured host (MiB)", "gradients bit-equal"],
             rows), ""]  # fmt: skip

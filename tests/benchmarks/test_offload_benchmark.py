@@ -63,8 +63,9 @@ def test_offload_floor_quick_runs_each_floor_plan_exactly(tmp_path):
             assert run["gradients_bit_equal"], (name, key)
             # At the allocator, within the prediction; on HF GPT-2 a few bytes over it
             # (scalar tensors made outside any op: docs/limitations.md, "a budget set
-            # exactly at a predicted peak can be missed by a few bytes").
-            slack = 0 if model["family"] == "zoo" else 1e-5 * run["predicted_peak_bytes"]
+            # exactly at a predicted peak can be missed by a few bytes"; 72 bytes on the
+            # 4-layer narrow GPT-2 with streamed offload, when it was written).
+            slack = 0 if model["family"] == "zoo" else max(256, 1e-5 * run["predicted_peak_bytes"])
             assert run["measured_peak_bytes"] <= run["predicted_peak_bytes"] + slack, (name, key)
             assert run["measured_host_bytes"] == run["predicted_host_bytes"], (name, key)
         assert model["no_segments"]["floor_with"] < model["no_segments"]["floor_without"], name

@@ -38,6 +38,8 @@ from gradckpt.planning.explaining.explanation import (
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.kinds.offload.sim import describe_offload, offload_effect
+from gradckpt.planning.kinds.offload.stream import describe_streamed, streamed_storages
+from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.simulation.regions import regions_of
 from gradckpt.planning.simulation.simulate import Prediction, simulate
@@ -124,6 +126,7 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
     visit(plan.items, "")
     if _offloads(plan):
         out.update(describe_offload(prof, plan))
+        out.update(describe_streamed(prof, plan))
     return out
 
 
@@ -216,6 +219,10 @@ def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
             what = "input of recomputed " + m.path if m.boundary else "offloaded"
             out[sid] = (f"{what} to host after {m.path}'s forward, back at "
                         f"{m.loaded_by}'s backward")  # fmt: skip
+    options = plan.offload or OffloadOptions()
+    if options.stream:
+        for s in streamed_storages(prof, plan, options):
+            out[s.storage] = f"streamed to host when {s.path} saved it, back one ahead of its use"
     return out
 
 

@@ -286,7 +286,9 @@ _LEVELS = {
 }
 
 
-def _lines(items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool]) -> list[str]:
+def _lines(
+    items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool, bool]
+) -> list[str]:
     out = []
     pad = "  " * depth
     for item in items:
@@ -300,8 +302,11 @@ def _lines(items: tuple[Item, ...], depth: int, offloaded: tuple[list[str], bool
     return out
 
 
-def _offload_when(path: str, offloaded: list[str], prefetch: bool) -> str:
+def _offload_when(path: str, offloaded: list[str], prefetch: bool, stream: bool) -> str:
     """When an offloaded unit's saved tensors move (the engine's order, see engine.offload)."""
+    if stream:
+        ahead = "one tensor ahead of its use" if prefetch else "at its use"
+        return f"streamed: each saved tensor out when saved, back {ahead}"
     i = offloaded.index(path)
     if i + 1 == len(offloaded):
         return "saved tensors copied out after its forward; still held when backward reaches it"
@@ -357,10 +362,11 @@ def plan_summary(plan: Plan) -> str:
         f"  {path:<28} keep (runs {calls}x per step: never checkpointed; see gradckpt explain)"
         for path, calls in plan.not_planned
     ]
-    prefetch = plan.offload.prefetch if plan.offload is not None else True
+    options = plan.offload
     offloaded = (
         [u.path for u in plan.items if isinstance(getattr(u, "decision", None), Offload)],
-        prefetch,
+        options.prefetch if options is not None else True,
+        options is not None and options.stream,
     )
     lines = _lines(plan.items, 1, offloaded)
     return "\n".join(head + _offload_head(plan) + lines + shared)

@@ -4,7 +4,10 @@ Without offload, the least peak is set by what checkpointing keeps: each
 recomputed block's input (or a segment's), plus one block's recompute. With
 offload those kept inputs can go to host memory too
 (:mod:`gradckpt.planning.kinds.offload.boundary`), so the floor is lower
-wherever the boundaries are a real share of it. :func:`least_peak_offload`
+wherever the boundaries are a real share of it; and streamed offload
+(:mod:`gradckpt.planning.kinds.offload.stream`) holds a tensor or two of what a
+block saved in its backward, not all of it, so the floor goes below one
+block's recompute. Every candidate is tried both grouped and streamed. :func:`least_peak_offload`
 finds it the way :func:`~gradckpt.planning.solving.solvers.least_peak_plan`
 finds the floor without: the offload chain's DP at its least feasible budget,
 pushed lower by the simulator-checked repair moves, beside the uniform plans
@@ -119,7 +122,8 @@ def offload_budget_error(
         f"{without} With offload{host}, the least peak is {format_bytes(floor, round_up=True)} "
         f"({floor} bytes; {format_bytes(with_offload.host_bytes)} on the host), against "
         f"{format_bytes(without.least_peak_bytes or 0, round_up=True)} without: offload "
-        "moves what blocks save and the inputs recomputed blocks keep, but parameters, "
-        "gradients and one block's recompute stay on the device.",
+        "moves what blocks save (streamed, a tensor at a time, where that is leaner) and "
+        "the inputs recomputed blocks keep, but parameters, gradients, code outside the "
+        "blocks (the loss) and the tensors in use stay on the device.",
         least_peak_bytes=min(floor, without.least_peak_bytes or floor),
     )

@@ -48,7 +48,9 @@ from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
 from gradckpt.profiling.records import Profile
 
-__all__ = ["StreamedStorage", "stream_effect", "streamed_storages", "whole_effect"]
+__all__ = [
+    "StreamedStorage", "describe_streamed", "stream_effect", "streamed_storages", "whole_effect",
+]
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,16 @@ def stream_effect(profile: Profile, plan: Plan, options: OffloadOptions) -> Step
     return StepEffect(
         released_packs=released,
         buffers=buffers,
-        stall=_stall(profile, moved, options),
+        stall=sum(_stalls(profile, moved, options).values()),
         host_bytes=sum(m.nbytes for m in moved),
     )
 
 
-def _stall(profile: Profile, moved: list[StreamedStorage], options: OffloadOptions) -> float:
-    """Seconds compute waits: every copy out in full, each copy back for what the backward
-    between its load and its use does not cover."""
+def _stalls(
+    profile: Profile, moved: list[StreamedStorage], options: OffloadOptions
+) -> dict[str, float]:
+    """Seconds compute waits per streamed unit: every copy out in full, each copy back for
+    what the backward between its load and its use does not cover."""
     events: list[tuple[int, int, object]] = []
     for i, m in enumerate(moved):
         d2h = transfer_seconds(m.nbytes, 1, options.d2h_bandwidth, options.transfer_latency)
@@ -142,7 +146,31 @@ def _stall(profile: Profile, moved: list[StreamedStorage], options: OffloadOptio
         steps.append(Compute(now - done))
         done = now
         steps.append(step)
-    return run_timeline(steps).stall
+    by_unit: dict[str, float] = {m.path: 0.0 for m in moved}
+    for (_, i), late in run_timeline(steps).waits.items():
+        by_unit[moved[i].path] += late
+    return by_unit
+
+
+def describe_streamed(profile: Profile, plan: Plan) -> dict[str, str]:
+    """Per streamed unit: what moves and what its copies cost (for ``explain``).
+
+    Example:
+        >>> describe_streamed(prof, plan)["blocks.0"]
+    """
+    options = plan.offload or OffloadOptions()
+    if not options.stream:
+        return {}
+    moved = streamed_storages(profile, plan, options)
+    stalls = _stalls(profile, moved, options)
+    out = {}
+    for path, stall in stalls.items():
+        mine = [m for m in moved if m.path == path]
+        out[path] = (
+            f"offload {sum(m.nbytes for m in mine) / 2**20:.2f} MiB streamed: {len(mine)} "
+            f"tensors, each out when saved, back one ahead of its use, waits {stall * 1e3:.2f} ms"
+        )
+    return out
 
 
 def whole_effect(profile: Profile, plan: Plan) -> StepEffect | None:
