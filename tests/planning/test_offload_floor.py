@@ -18,7 +18,7 @@ from gradckpt.planning.kinds.offload.solve import offload_candidates, solve_offl
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.solve import solve
 from gradckpt.planning.solving.budget import BudgetError
-from gradckpt.planning.solving.solvers import least_peak_plan, solve_dp
+from gradckpt.planning.solving.solvers import _where, least_peak_plan, solve_dp
 from gradckpt.testing import make
 
 from .conftest import assert_same_step, run_step
@@ -139,3 +139,18 @@ def test_a_binding_host_budget_is_held_by_the_plan_and_the_run(narrow):
     assert_same_step(plain, step)
     assert step.peak <= floor.peak_bytes  # at the allocator
     assert runtime.session.backend.peak_host_bytes <= limit
+
+
+def test_where_the_loss_sets_the_floor_offload_cannot_reach_nine_tenths(zoo):
+    # The zoo GPT's vocabulary makes the loss's backward (logits, their log-softmax and
+    # its gradient, beside the parameters) the least peak without offload. Offload moves
+    # what blocks save and what checkpointing keeps; neither is live there.
+    ex, prof, _ = zoo.get("gpt")
+    _, without = least_peak_plan(prof)
+    assert _where(prof, without.peak_position) == "the backward of code outside the planned units"
+    _, with_offload = least_peak_offload(prof, OPTIONS)
+    budget = int(0.9 * without.peak_bytes)
+    assert with_offload.peak_bytes > budget
+    with pytest.raises(BudgetError, match="code outside the blocks") as caught:
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=OPTIONS)
+    assert caught.value.least_peak_bytes == with_offload.peak_bytes
