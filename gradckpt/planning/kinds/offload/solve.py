@@ -25,7 +25,7 @@ from gradckpt.planning.kinds.offload.floor import least_peak_offload, offload_bu
 from gradckpt.planning.kinds.offload.sim import moved_storages
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solving.baselines import finish
 from gradckpt.planning.solving.brute import evaluate
 from gradckpt.planning.solving.budget import BudgetError
@@ -153,11 +153,15 @@ def _priced_model(model: ChainModel, host: list[list[int]], price: float) -> Cha
 
 def solve_offload(
     profile: Profile, budget: int, options: OffloadOptions, *, segments: bool = True,
-    model: ChainModel | None = None,
+    model: ChainModel | None = None, floor: tuple[Plan, Prediction] | None = None,
 ) -> Plan:  # fmt: skip
     """The fastest plan within ``budget`` device bytes and ``options.host_budget`` host bytes.
 
-    Raises :class:`BudgetError` when no plan fits the device budget.
+    Besides the DP's plans with and without offload, the DP's plan with its offloaded
+    blocks streamed and the leanest plan with offload (``floor``, from
+    :func:`least_peak_offload` when not given) are weighed wherever they fit: the
+    DP's memory model groups offloaded tensors, so it cannot find streamed plans
+    itself. Raises :class:`BudgetError` when no plan fits the device budget.
 
     Example:
         >>> plan = solve_offload(prof, 600 << 20, OffloadOptions())
@@ -199,15 +203,21 @@ def solve_offload(
                     found = plan
             else:
                 low = mid
-    if found is None and error is not None:
-        # Below the floor without offload the DP's model may miss by a little: the
-        # leanest plan with offload (repaired on the simulator) may still fit.
-        floor, pred = least_peak_offload(profile, options, model=model, segments=segments)
-        if pred.peak_bytes > budget:
-            raise offload_budget_error(error, pred, options)
-        found, _ = finish(profile, floor, budget, "dp", pred)
+    least, pred = floor or least_peak_offload(profile, options, model=model, segments=segments)
+    if found is None and error is not None and pred.peak_bytes > budget:
+        raise offload_budget_error(error, pred, options)
+    if pred.peak_bytes <= budget:
+        # Below the floor without offload the DP's model may miss by a little, and it
+        # never streams: the leanest plan with offload (repaired on the simulator) may
+        # fit where the DP's does not, or be faster.
+        candidates.append(finish(profile, least, budget, "dp", pred)[0])
     if found is not None:
         candidates.append(found)
+        if not options.stream and any(isinstance(i.decision, Offload) for i in found.units):
+            streamed = replace(found, offload=replace(options, stream=True))
+            plan, at = finish(profile, streamed, budget, "dp")
+            if at.peak_bytes <= budget and (limit is None or at.host_bytes <= limit):
+                candidates.append(plan)
     if not candidates:
         assert error is not None
         raise error
@@ -230,15 +240,16 @@ def offload_candidates(
     if len(budgets) > most:
         budgets = [budgets[round(i * (len(budgets) - 1) / (most - 1))] for i in range(most)]
     model = with_engine_costs(build_chain(profile, settings={Offload: options}), profile)
-    floor, pred = least_peak_offload(profile, options, model=model)
-    plans = [replace(floor, offload=options)]
+    least = least_peak_offload(profile, options, model=model)
+    floor, pred = least
+    plans = [floor]
     if budgets and pred.peak_bytes < budgets[0]:
         # Offload reaches below the curve without it: its frontier goes on there.
         gap = budgets[0] - pred.peak_bytes
         budgets = [pred.peak_bytes + gap // 3, pred.peak_bytes + 2 * gap // 3, *budgets]
     for budget in budgets:
         try:
-            plans.append(solve_offload(profile, budget, options, model=model))
+            plans.append(solve_offload(profile, budget, options, model=model, floor=least))
         except BudgetError:
             continue
     return plans
