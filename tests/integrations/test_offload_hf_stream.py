@@ -42,13 +42,20 @@ def model(request):
     return ex, prof, run_step(ex)
 
 
-def test_offload_fits_at_nine_tenths_of_the_recompute_only_floor(model):
-    ex, prof, plain = model
+@pytest.fixture(scope="module")
+def planned(model):
+    """``offload=True`` at 0.9 x the recompute-only least peak: (budget, plan)."""
+    ex, prof, _ = model
     _, without = least_peak_plan(prof)
     budget = int(0.9 * without.peak_bytes)
+    return budget, gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=True)
+
+
+def test_offload_fits_at_nine_tenths_of_the_recompute_only_floor(model, planned):
+    ex, prof, plain = model
+    budget, plan = planned
     with pytest.raises(gradckpt.BudgetError):
         gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=True)
     assert plan.offload is not None and plan.offload.stream
     assert any(isinstance(u.decision, Offload) for u in plan.units)
     predicted = simulate(prof, plan)
@@ -67,3 +74,16 @@ def test_offload_fits_at_nine_tenths_of_the_recompute_only_floor(model):
     assert all(torch.equal(step.grads[k], plain.grads[k]) for k in plain.grads)
     assert step.peak_bytes <= budget  # at the allocator
     assert session.backend.peak_host_bytes == predicted.host_bytes
+
+
+def test_the_streamed_plan_says_so_and_round_trips(model, planned, tmp_path):
+    _, prof, _ = model
+    _, plan = planned
+    plan.save(tmp_path / "p.json")
+    loaded = gradckpt.Plan.load(tmp_path / "p.json")
+    assert loaded == plan and loaded.offload.stream
+    assert "streamed: each saved tensor out when saved, back one tensor ahead" in plan.summary()
+    explanation = gradckpt.explain(prof, plan=plan)
+    moved = [r for r in explanation.rows if r.status == "offloaded"]
+    assert moved and all("streamed to host when" in r.why for r in moved)
+    assert sum(r.nbytes for r in moved) == simulate(prof, plan).host_bytes
