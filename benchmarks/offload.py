@@ -135,6 +135,10 @@ def _best_at(curve: list[dict[str, Any]], budget: int) -> float:
     return min((p["overhead"] for p in curve if p["peak_bytes"] <= budget), default=float("inf"))
 
 
+def _overhead(x: float) -> str:
+    return "no plan" if x == float("inf") else f"{x:+.1%}"
+
+
 def _compare(without: list[dict], with_offload: list[dict]) -> dict[str, Any]:
     budgets = sorted({p["peak_bytes"] for p in without + with_offload})
     gaps = [(b, _best_at(without, b), _best_at(with_offload, b)) for b in budgets]
@@ -264,11 +268,15 @@ def render(data: dict[str, Any]) -> str:
         for source, curves in result["curves"].items():
             table = []
             budgets = sorted({p["peak_bytes"] for p in curves["without"]})
-            for b in budgets:
-                row = [mib2(b), f"{_best_at(curves['without'], b):+.1%}"]
-                row += [f"{_best_at(curves[link]['curve'], b):+.1%}" for link in LINKS]
+            # Below the least peak without offload, the curves with it go on: their points.
+            below = sorted({p["peak_bytes"] for link in LINKS for p in curves[link]["curve"]
+                            if p["peak_bytes"] < budgets[0]})  # fmt: skip
+            for b in below + budgets:
+                row = [mib2(b), _overhead(_best_at(curves["without"], b))]
+                row += [_overhead(_best_at(curves[link]["curve"], b)) for link in LINKS]
                 table.append(row)
-            lines += [f"Predicted overhead at each budget, {source} op times:", "",
+            lines += [f"Predicted overhead at each budget, {source} op times (rows above the "
+                      "least peak without offload: only offload reaches them):", "",
                       markdown_table(["budget (MiB)", "without offload",
                                       *(f"with offload, {k}" for k in LINKS)], table), ""]  # fmt: skip
         if not result["measured"]:
