@@ -52,6 +52,7 @@ __all__ = [
     "MovedUnit",
     "OffloadEffect",
     "boundary_storages",
+    "cumulative_time",
     "describe_offload",
     "moved_storages",
     "offload_effect",
@@ -121,7 +122,7 @@ def _first_unpack(profile: Profile, unit: UnitRecord) -> int:
     return min((p.unpack for p in profile.packs if p.unit == unit.index), default=NEVER)
 
 
-def _cumulative_time(profile: Profile):
+def cumulative_time(profile: Profile):
     ordered = sorted(profile.ops, key=lambda op: op.position)
     positions = [op.position for op in ordered]
     sums = [0.0, *itertools.accumulate(op.time for op in ordered)]
@@ -267,7 +268,7 @@ def _stalls(profile: Profile, units: list[MovedUnit]) -> tuple[float, dict[str, 
             events.append((m.load, 2 if own else 3, Issue(("in", m.path), m.h2d_seconds)))
             events.append((m.need, 4, Wait(("in", m.path))))
     events.sort(key=lambda e: (e[0], e[1]))
-    at = _cumulative_time(profile)
+    at = cumulative_time(profile)
     steps, done = [], 0.0
     for position, _, step in events:
         now = at(position)

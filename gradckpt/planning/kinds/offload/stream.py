@@ -39,14 +39,14 @@ from gradckpt.planning.kinds.offload.cost import (
     transfer_seconds,
 )
 from gradckpt.planning.kinds.offload.sim import (
-    _cumulative_time,
+    cumulative_time,
     moved_storages,
     offload_effect,
     step_effect,
 )
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
-from gradckpt.profiling.records import Profile
+from gradckpt.profiling.records import PackRecord, Profile
 
 __all__ = [
     "StreamedStorage", "describe_streamed", "stream_effect", "streamed_storages", "whole_effect",
@@ -73,15 +73,19 @@ def streamed_storages(profile: Profile, plan: Plan, options: OffloadOptions) -> 
         >>> [s.nbytes for s in streamed_storages(prof, plan, OffloadOptions(stream=True))]
     """
     by_path = {u.path: u for u in profile.units}
+    chosen = [
+        by_path[item.path] for item in plan.items
+        if isinstance(item, UnitChoice) and isinstance(item.decision, Offload)
+        and item.path in by_path
+    ]  # fmt: skip
+    packs_of: dict[int, list[PackRecord]] = {u.index: [] for u in chosen}
+    for p in profile.packs:  # one pass: deep chains stream hundreds of units
+        if p.unit in packs_of:
+            packs_of[p.unit].append(p)
     out: list[StreamedStorage] = []
-    for item in plan.items:
-        if not (isinstance(item, UnitChoice) and isinstance(item.decision, Offload)):
-            continue
-        unit = by_path.get(item.path)
-        if unit is None:
-            continue
+    for unit in chosen:
         sids = set(moved_storages(profile, unit, options.min_bytes))
-        packs = [p for p in profile.packs if p.unit == unit.index and p.storage in sids]
+        packs = [p for p in packs_of[unit.index] if p.storage in sids]
         first_pack = {s: min(p.position for p in packs if p.storage == s) for s in sids}
         last_pack = {s: max(p.position for p in packs if p.storage == s) for s in sids}
         need = {s: min(p.unpack for p in packs if p.storage == s) for s in sids}
@@ -96,7 +100,7 @@ def streamed_storages(profile: Profile, plan: Plan, options: OffloadOptions) -> 
             if nxt is not None and options.prefetch:
                 loaded[nxt] = at
         out += [
-            StreamedStorage(item.path, s, profile.storages[s].nbytes, first_pack[s], loaded[s],
+            StreamedStorage(unit.path, s, profile.storages[s].nbytes, first_pack[s], loaded[s],
                             need[s], release[s])
             for s in order
         ]  # fmt: skip
@@ -139,7 +143,7 @@ def _stalls(
             (m.load, 2, Issue(("in", i), h2d)), (m.need, 3, Wait(("in", i))),
         ]  # fmt: skip
     events.sort(key=lambda e: (e[0], e[1]))
-    at = _cumulative_time(profile)
+    at = cumulative_time(profile)
     steps, done = [], 0.0
     for position, _, step in events:
         now = at(position)
