@@ -15,10 +15,12 @@ Example:
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from functools import cached_property
 
 from gradckpt.planning.explaining.explain import Explanation, explain
+from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.kinds.offload.solve import offload_candidates
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
@@ -100,6 +102,9 @@ class Planner:
         """
         self.__dict__.pop("chain", None)
         self.__dict__.pop("dp", None)
+        # Planning leaves reference cycles that hold DP tables (CPU tensors); without a
+        # collection they would still be held while the steps after it run.
+        gc.collect()
 
     def budget_bytes(self, budget: int | float | str) -> int:
         """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
@@ -133,13 +138,17 @@ class Planner:
         return solve(self.profile, nbytes, solver, segments=self.segments)
 
     def least_peak(self) -> tuple[Plan, Prediction]:
-        """The leanest plan reachable and its prediction (``.peak_bytes``: the least peak).
+        """The leanest plan reachable and its prediction (``.peak_bytes``: the least peak);
+        with offload, over the planner's link (:func:`least_peak_offload`).
 
         Example:
             >>> plan, pred = planner.least_peak()
         """
         if self._least is None:
-            self._least = least_peak_plan(self.profile, segments=self.segments)
+            if self.offload is not None:
+                self._least = least_peak_offload(self.profile, self.offload, segments=self.segments)
+            else:
+                self._least = least_peak_plan(self.profile, segments=self.segments)
         return self._least
 
     def frontier(self, points: int = 32) -> list[FrontierPoint]:

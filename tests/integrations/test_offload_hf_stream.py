@@ -87,3 +87,24 @@ def test_the_streamed_plan_says_so_and_round_trips(model, planned, tmp_path):
     moved = [r for r in explanation.rows if r.status == "offloaded"]
     assert moved and all("streamed to host when" in r.why for r in moved)
     assert sum(r.nbytes for r in moved) == simulate(prof, plan).host_bytes
+
+
+def test_fit_with_offload_plans_and_trains_within_the_budget_at_the_allocator():
+    # fit never runs the plain step (55.7 MiB here): it plans from fake tensors and
+    # measures only plans that fit; with offload, the leanest of those streams.
+    from gradckpt.measure import AllocatorTracker, state_bytes
+
+    family, sizes = CONFIGS["gpt2-narrow"]
+    ex = hf_example(family, **sizes)
+    ex.model.config.use_cache = False
+    plain = run_step(ex)
+    prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
+    budget = int(0.9 * least_peak_plan(prof)[1].peak_bytes)
+    held = state_bytes(ex.model)
+    with AllocatorTracker() as allocator:
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, offload=True)
+        step = run_step(ex)
+    assert plan.offload is not None and plan.offload.stream
+    assert held + allocator.peak_bytes <= budget  # planning, its measured steps and a step
+    assert torch.equal(step.loss, plain.loss)
+    assert all(torch.equal(step.grads[k], plain.grads[k]) for k in plain.grads)
