@@ -222,6 +222,8 @@ def _moved(prof: Profile, plan: Plan | None) -> dict[int, str]:
     options = plan.offload or OffloadOptions()
     if options.stream:
         for s in streamed_storages(prof, plan, options):
+            if s.output:
+                continue
             out[s.storage] = f"streamed to host when {s.path} saved it, back one ahead of its use"
     return out
 

@@ -46,7 +46,7 @@ from gradckpt.planning.kinds.offload.sim import (
 )
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, UnitChoice
-from gradckpt.profiling.records import PackRecord, Profile
+from gradckpt.profiling.records import NEVER, PackRecord, Profile, UnitRecord
 
 __all__ = [
     "StreamedStorage", "describe_streamed", "stream_effect", "streamed_storages", "whole_effect",
@@ -64,6 +64,10 @@ class StreamedStorage:
     load: int  # its reload starts here
     need: int  # its first unpack
     release: int  # its last saved tensor is released: the reload buffer goes
+    #: The unit's output, saved inside it: copied at its save like the others (the
+    #: engine learns what the output is only when the forward returns), then dropped
+    #: from the host there (``release``: the unit's last op), never loaded.
+    output: bool = False
 
 
 def streamed_storages(profile: Profile, plan: Plan, options: OffloadOptions) -> list[StreamedStorage]:
@@ -104,7 +108,21 @@ def streamed_storages(profile: Profile, plan: Plan, options: OffloadOptions) -> 
                             need[s], release[s])
             for s in order
         ]  # fmt: skip
+        saved_output = [p.position for p in packs_of[unit.index] if p.storage == unit.output]
+        if saved_output and _copied(profile, unit.output, unit, options):
+            # The forward ends after its last op and its last save (saves follow their op).
+            mine = packs_of[unit.index]
+            close = max(profile.ops[unit.end_op - 1].position, *(p.position for p in mine))
+            out.append(StreamedStorage(unit.path, unit.output,
+                                       profile.storages[unit.output].nbytes, min(saved_output),
+                                       NEVER, NEVER, close, output=True))  # fmt: skip
     return out
+
+
+def _copied(profile: Profile, sid: int, unit: UnitRecord, options: OffloadOptions) -> bool:
+    """Whether the engine copies storage ``sid`` when ``unit`` saves it (its own, big enough)."""
+    storage = profile.storages[sid]
+    return unit.first_op <= storage.producer < unit.end_op and storage.nbytes >= options.min_bytes
 
 
 def stream_effect(profile: Profile, plan: Plan, options: OffloadOptions) -> StepEffect | None:
@@ -118,15 +136,28 @@ def stream_effect(profile: Profile, plan: Plan, options: OffloadOptions) -> Step
     if not moved:
         return None
     units = {u.path: u.index for u in profile.units}
-    keys = {(units[m.path], m.storage) for m in moved}
+    keys = {(units[m.path], m.storage) for m in moved if not m.output}
     released = frozenset(p.id for p in profile.packs if (p.unit, p.storage) in keys)
-    buffers = tuple(Buffer(m.nbytes, m.load, m.release) for m in moved)
+    buffers = tuple(Buffer(m.nbytes, m.load, m.release) for m in moved if not m.output)
     return StepEffect(
         released_packs=released,
         buffers=buffers,
         stall=sum(_stalls(profile, moved, options).values()),
-        host_bytes=sum(m.nbytes for m in moved),
+        host_bytes=_host_peak(moved),
     )
+
+
+def _host_peak(moved: list[StreamedStorage]) -> int:
+    """The most bytes on the host at once: every moved storage from its copy on, and an
+    output copy until its unit's forward ends."""
+    changes = [(m.out, 0, m.nbytes) for m in moved]
+    # An output saved by its unit's last op is dropped after that op: after its copy.
+    changes += [(m.release, 1, -m.nbytes) for m in moved if m.output]
+    held = peak = 0
+    for _, _, delta in sorted(changes):
+        held += delta
+        peak = max(peak, held)
+    return peak
 
 
 def _stalls(
@@ -138,10 +169,9 @@ def _stalls(
     for i, m in enumerate(moved):
         d2h = transfer_seconds(m.nbytes, 1, options.d2h_bandwidth, options.transfer_latency)
         h2d = transfer_seconds(m.nbytes, 1, options.h2d_bandwidth, options.transfer_latency)
-        events += [
-            (m.out, 0, Issue(("out", i), d2h)), (m.out, 1, Wait(("out", i))),
-            (m.load, 2, Issue(("in", i), h2d)), (m.need, 3, Wait(("in", i))),
-        ]  # fmt: skip
+        events += [(m.out, 0, Issue(("out", i), d2h)), (m.out, 1, Wait(("out", i)))]
+        if not m.output:
+            events += [(m.load, 2, Issue(("in", i), h2d)), (m.need, 3, Wait(("in", i)))]
     events.sort(key=lambda e: (e[0], e[1]))
     at = cumulative_time(profile)
     steps, done = [], 0.0
@@ -169,7 +199,7 @@ def describe_streamed(profile: Profile, plan: Plan) -> dict[str, str]:
     stalls = _stalls(profile, moved, options)
     out = {}
     for path, stall in stalls.items():
-        mine = [m for m in moved if m.path == path]
+        mine = [m for m in moved if m.path == path and not m.output]
         out[path] = (
             f"offload {sum(m.nbytes for m in mine) / 2**20:.2f} MiB streamed: {len(mine)} "
             f"tensors, each out when saved, back one ahead of its use, waits {stall * 1e3:.2f} ms"
