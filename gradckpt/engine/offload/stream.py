@@ -40,6 +40,7 @@ import torch
 from gradckpt.engine.offload.session import (
     CreatedStorages,
     OffloadSession,
+    _Saved,
     _tensors,
     storage_key,
 )
@@ -72,23 +73,6 @@ class _Stored:
 
     def source_alive(self) -> bool:
         return self.storage() is not None
-
-
-class _Handle:
-    """What autograd holds instead of a streamed tensor."""
-
-    __slots__ = ("__weakref__", "dtype", "entry", "index", "offset", "size", "stride")
-
-    def __init__(self, entry: _Stored, t: torch.Tensor) -> None:
-        self.entry, self.index = entry, entry.handles
-        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset = t.storage_offset()
-
-    def __del__(self) -> None:
-        entry = self.entry
-        entry.alive -= 1
-        if entry.alive == 0:
-            entry.flat = None
 
 
 class StreamGroup:
@@ -147,7 +131,7 @@ class StreamGroup:
         self.saves += 1
         entry.last = self.saves
         entry.sources.append(weakref.ref(t))
-        handle = _Handle(entry, t)
+        handle = _Saved(self, entry, t)  # the grouped mode's handle: the same bookkeeping
         entry.handles += 1
         entry.alive += 1
         return handle

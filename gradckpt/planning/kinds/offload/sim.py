@@ -39,6 +39,7 @@ from gradckpt.planning.handlers.effects import Buffer, StepEffect
 from gradckpt.planning.kinds.offload.cost import (
     Compute,
     Issue,
+    Timeline,
     Wait,
     run_timeline,
     transfer_seconds,
@@ -52,10 +53,10 @@ __all__ = [
     "MovedUnit",
     "OffloadEffect",
     "boundary_storages",
-    "cumulative_time",
     "describe_offload",
     "moved_storages",
     "offload_effect",
+    "play",
     "stage_stall",
     "step_effect",
 ]
@@ -122,7 +123,26 @@ def _first_unpack(profile: Profile, unit: UnitRecord) -> int:
     return min((p.unpack for p in profile.packs if p.unit == unit.index), default=NEVER)
 
 
-def cumulative_time(profile: Profile):
+def play(profile: Profile, events: list[tuple[int, int, object]]) -> Timeline:
+    """Copy events ``(position, rank, Issue | Wait)`` played against the profiled compute
+    (ordered by position, then rank; :func:`run_timeline`).
+
+    Example:
+        >>> play(prof, [(12, 0, Issue("x", 1e-3)), (40, 1, Wait("x"))]).stall
+    """
+    events = sorted(events, key=lambda e: (e[0], e[1]))
+    at = _cumulative_time(profile)
+    steps: list[object] = []
+    done = 0.0
+    for position, _, step in events:
+        now = at(position)
+        steps.append(Compute(now - done))
+        done = now
+        steps.append(step)
+    return run_timeline(steps)  # type: ignore[arg-type]
+
+
+def _cumulative_time(profile: Profile):
     ordered = sorted(profile.ops, key=lambda op: op.position)
     positions = [op.position for op in ordered]
     sums = [0.0, *itertools.accumulate(op.time for op in ordered)]
@@ -267,15 +287,7 @@ def _stalls(profile: Profile, units: list[MovedUnit]) -> tuple[float, dict[str, 
             own = m.loaded_by == m.path
             events.append((m.load, 2 if own else 3, Issue(("in", m.path), m.h2d_seconds)))
             events.append((m.need, 4, Wait(("in", m.path))))
-    events.sort(key=lambda e: (e[0], e[1]))
-    at = cumulative_time(profile)
-    steps, done = [], 0.0
-    for position, _, step in events:
-        now = at(position)
-        steps.append(Compute(now - done))
-        done = now
-        steps.append(step)
-    timeline = run_timeline(steps)
+    timeline = play(profile, events)
     by_unit: dict[str, float] = {}
     for (_, path), late in timeline.waits.items():
         by_unit[path] = by_unit.get(path, 0.0) + late

@@ -32,16 +32,14 @@ from dataclasses import dataclass
 from gradckpt.engine.decisions import Offload, RecomputeOffload
 from gradckpt.planning.handlers.effects import Buffer, StepEffect, combined
 from gradckpt.planning.kinds.offload.cost import (
-    Compute,
     Issue,
     Wait,
-    run_timeline,
     transfer_seconds,
 )
 from gradckpt.planning.kinds.offload.sim import (
-    cumulative_time,
     moved_storages,
     offload_effect,
+    play,
     step_effect,
 )
 from gradckpt.planning.plans.offload_options import OffloadOptions
@@ -172,16 +170,8 @@ def _stalls(
         events += [(m.out, 0, Issue(("out", i), d2h)), (m.out, 1, Wait(("out", i)))]
         if not m.output:
             events += [(m.load, 2, Issue(("in", i), h2d)), (m.need, 3, Wait(("in", i)))]
-    events.sort(key=lambda e: (e[0], e[1]))
-    at = cumulative_time(profile)
-    steps, done = [], 0.0
-    for position, _, step in events:
-        now = at(position)
-        steps.append(Compute(now - done))
-        done = now
-        steps.append(step)
     by_unit: dict[str, float] = {m.path: 0.0 for m in moved}
-    for (_, i), late in run_timeline(steps).waits.items():
+    for (_, i), late in play(profile, events).waits.items():
         by_unit[moved[i].path] += late
     return by_unit
 
