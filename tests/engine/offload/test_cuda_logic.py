@@ -165,3 +165,37 @@ def test_without_a_gpu_the_backend_says_what_to_use_instead():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="HostCopyBackend"):
         CudaOffloadBackend("cuda")
+
+
+def test_streamed_on_the_cuda_backend_waits_for_every_copy_before_its_bytes_are_used():
+    from gradckpt.engine.offload.stream import run_streamed
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32))
+                           for _ in range(3))  # fmt: skip
+    x = torch.randn(64, 32)
+
+    def step(session):
+        h = x
+        for i, b in enumerate(blocks):
+            h = run_streamed(session, f"b{i}", b, (h,), {}, tuple(b.parameters())) if session \
+                else b(h)  # fmt: skip
+        h.sum().backward()
+        grads = [p.grad.clone() for p in blocks.parameters()]
+        blocks.zero_grad(set_to_none=True)
+        return grads
+
+    plain = step(None)
+    backend, fake = _backend()
+    grads = step(OffloadSession(backend, min_bytes=1024))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    assert not any("record_stream" in str(e) for e in fake.log)
+    # Streamed, compute waits for each copy out at once (the source may then go as the
+    # forward lets it) and for each copy back before its first use: every event recorded
+    # is waited for, right after it is recorded for a store.
+    recorded = [e[2] for e in fake.log if e[0] == "record"]
+    waited = [e[2] for e in fake.log if e[0] == "wait_event"]
+    assert recorded and sorted(recorded) == sorted(waited)
+    stores = [i for i, e in enumerate(fake.log) if e[0] == "record"][: len(blocks)]
+    assert all(fake.log[i + 2][0] == "wait_event" for i in stores)  # record, exit, wait
+    assert backend.host_bytes == 0
