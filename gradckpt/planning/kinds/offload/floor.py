@@ -7,9 +7,9 @@ offload those kept inputs can go to host memory too
 wherever the boundaries are a real share of it; and streamed offload
 (:mod:`gradckpt.planning.kinds.offload.stream`) holds a tensor or two of what a
 block saved in its backward, not all of it, so the floor goes below one
-block's recompute. Every candidate is tried both grouped and streamed. :func:`least_peak_offload`
-finds it the way :func:`~gradckpt.planning.solving.solvers.least_peak_plan`
-finds the floor without: the offload chain's DP at its least feasible budget,
+block's recompute. :func:`least_peak_offload` finds the floor the way
+:func:`~gradckpt.planning.solving.solvers.least_peak_plan` finds it without
+(each candidate tried both grouped and streamed): the offload chain's DP at its least feasible budget,
 pushed lower by the simulator-checked repair moves, beside the uniform plans
 (every block's boundary moved; every block offloaded; under a host budget, as
 many boundaries as it holds, from either end) and the floor without offload,
