@@ -9,12 +9,12 @@ wherever the boundaries are a real share of it; and streamed offload
 block saved in its backward, not all of it, so the floor goes below one
 block's recompute. :func:`least_peak_offload` finds the floor the way
 :func:`~gradckpt.planning.solving.solvers.least_peak_plan` finds it without
-(each candidate tried both grouped and streamed): the offload chain's DP at its least feasible budget,
-pushed lower by the simulator-checked repair moves, beside the uniform plans
-(every block's boundary moved; every block offloaded; under a host budget, as
-many boundaries as it holds, from either end) and the floor without offload,
-keeping those whose host bytes fit the host budget (a search over these
-candidates, not an optimum, when the host budget binds).
+(each candidate tried both grouped and streamed): the offload chain's DP at
+its least feasible budget, pushed lower by the simulator-checked repair moves,
+beside the uniform plans (every block's boundary moved; every block offloaded;
+under a host budget, as many boundaries as it holds, from either end) and the
+floor without offload, keeping those whose host bytes fit the host budget (a
+search over these candidates, not an optimum, when the host budget binds).
 
 Example:
     >>> plan, pred = least_peak_offload(prof, OffloadOptions())
