@@ -108,3 +108,15 @@ def test_fit_with_offload_plans_and_trains_within_the_budget_at_the_allocator():
     assert held + allocator.peak_bytes <= budget  # planning, its measured steps and a step
     assert torch.equal(step.loss, plain.loss)
     assert all(torch.equal(step.grads[k], plain.grads[k]) for k in plain.grads)
+
+
+def test_a_host_budget_the_streamed_plan_needs_is_held_and_a_smaller_one_refuses(model, planned):
+    ex, prof, _ = model
+    budget, plan = planned
+    needs = simulate(prof, plan).host_bytes
+    roomy = gradckpt.OffloadOptions(host_budget=needs)
+    held = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=roomy)
+    assert held.offload.stream and simulate(prof, held).host_bytes <= needs
+    with pytest.raises(gradckpt.BudgetError, match="within the host budget"):
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof,
+                      offload=gradckpt.OffloadOptions(host_budget=needs // 4))  # fmt: skip
