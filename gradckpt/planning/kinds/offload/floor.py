@@ -67,6 +67,10 @@ def _uniform(
     return Plan(items, profile.fingerprint, offload=options)
 
 
+def _offloads_blocks(plan: Plan) -> bool:
+    return any(isinstance(i, UnitChoice) and isinstance(i.decision, Offload) for i in plan.items)
+
+
 def least_peak_offload(
     profile: Profile, options: OffloadOptions, *, model: ChainModel | None = None,
     segments: bool = True,
@@ -92,9 +96,9 @@ def least_peak_offload(
                   for r in (False, True)]  # fmt: skip
     if m is not None:
         plans.insert(0, Plan(_items(model, dp.schedule(m)), profile.fingerprint, offload=options))
-    if not options.stream:  # each of them again with offloaded blocks streamed
+    if not options.stream:  # each that offloads blocks again, with them streamed
         streamed = replace(options, stream=True)
-        plans += [replace(p, offload=streamed) for p in plans]
+        plans += [replace(p, offload=streamed) for p in plans if _offloads_blocks(p)]
     for plan in plans:
         # Repaired (lower, but its moves may offload more than the host holds) and as built.
         candidates += [repair(profile, plan, 0, model), (plan, simulate(profile, plan))]
