@@ -142,6 +142,29 @@ class _Saved:
             entry.flat = None
 
 
+def unpacked(session: OffloadSession, name: str, handle: _Saved) -> torch.Tensor:
+    """The tensor ``handle`` stands for, from its storage's device bytes (waiting for a load
+    started earlier, or loading now when none was: a second backward, ``retain_graph``).
+
+    Shared by the grouped and the streamed groups; runs once per unpack.
+    """
+    entry = handle.entry
+    if entry.flat is None:
+        if entry.pending is None:
+            entry.pending = session.backend.load(entry.ticket)
+            session.events.append(("load", name, "again"))
+        entry.flat = session.backend.loaded(entry.pending)
+        entry.pending = None
+    out = torch.empty(0, dtype=handle.dtype, device=entry.flat.device).set_(
+        entry.flat.untyped_storage(), handle.offset, handle.size, handle.stride
+    )
+    entry.unpacked.add(handle.index)
+    if entry.ticket is not None and len(entry.unpacked) == entry.handles:
+        entry.flat = None  # from here on, only autograd's uses hold the reload
+        entry.unpacked = set()
+    return out
+
+
 class OffloadGroup:
     """The saved tensors of one call of one unit."""
 
@@ -233,21 +256,7 @@ class OffloadGroup:
         self.session.before_unpack(self)
         if isinstance(handle, torch.Tensor):
             return handle
-        entry = handle.entry
-        if entry.flat is None:
-            if entry.pending is None:
-                entry.pending = self.session.backend.load(entry.ticket)
-                self.session.events.append(("load", self.name, "again"))
-            entry.flat = self.session.backend.loaded(entry.pending)
-            entry.pending = None
-        out = torch.empty(0, dtype=handle.dtype, device=entry.flat.device).set_(
-            entry.flat.untyped_storage(), handle.offset, handle.size, handle.stride
-        )
-        entry.unpacked.add(handle.index)
-        if entry.ticket is not None and len(entry.unpacked) == entry.handles:
-            entry.flat = None  # from here on, only autograd's uses hold the reload
-            entry.unpacked = set()
-        return out
+        return unpacked(self.session, self.name, handle)
 
     def load(self, why: str) -> None:
         """Start bringing every offloaded storage of this group back."""

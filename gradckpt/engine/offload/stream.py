@@ -43,6 +43,7 @@ from gradckpt.engine.offload.session import (
     _Saved,
     _tensors,
     storage_key,
+    unpacked,
 )
 
 __all__ = ["StreamGroup", "run_streamed"]
@@ -168,19 +169,7 @@ class StreamGroup:
             if entry.ticket is not None:
                 self._load(entry, "demand")
                 self._prefetch_after(entry)
-        if entry.flat is None:
-            if entry.pending is None:  # unpacked again after it was let go (retain_graph)
-                self._load(entry, "again")
-            entry.flat = self.session.backend.loaded(entry.pending)
-            entry.pending = None
-        out = torch.empty(0, dtype=handle.dtype, device=entry.flat.device).set_(
-            entry.flat.untyped_storage(), handle.offset, handle.size, handle.stride
-        )
-        entry.unpacked.add(handle.index)
-        if entry.ticket is not None and len(entry.unpacked) == entry.handles:
-            entry.flat = None  # from here on, only autograd's uses hold the reload
-            entry.unpacked = set()
-        return out
+        return unpacked(self.session, self.name, handle)
 
     def _load(self, entry: _Stored, why: str) -> None:
         if entry.flat is None and entry.pending is None:
