@@ -192,6 +192,9 @@ class Profile:
     #: When block discovery found no repeated blocks: what it considered and how to name
     #: them (``blocks=``), for the message of a budget no plan meets; "" otherwise.
     blocks_note: str = ""
+    #: Repeated modules that hold the blocks discovery chose (finer blocks inside them
+    #: covered their code): named by the budget error when the peak lies outside every unit.
+    block_parents: tuple[str, ...] = ()
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -248,6 +251,7 @@ class Profile:
             floor_bytes=data.get("floor_bytes", 0),
             step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
             blocks_note=data.get("blocks_note", ""),
+            block_parents=tuple(data.get("block_parents", ())),
             version=data["version"],
         )
 

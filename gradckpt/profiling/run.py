@@ -40,6 +40,7 @@ from torch import nn
 from gradckpt.measure.exclusive import MEASURING
 from gradckpt.profiling import adapters
 from gradckpt.profiling.assemble import assemble, device_of
+from gradckpt.profiling.block_cover import nested, settle_nested
 from gradckpt.profiling.fake import (
     AnsweredScalars,
     check_fake_device,
@@ -54,6 +55,7 @@ from gradckpt.profiling.unit_costs import capturing_call, with_unit_times
 from gradckpt.profiling.units import (
     BlockSpec,
     Unit,
+    block_candidates,
     blocks_not_found,
     called_blocks,
     find_blocks,
@@ -137,16 +139,21 @@ def _profile_prepared(
     found = find_blocks(model, blocks)
     guard = StepState(model)
 
-    def discovered() -> tuple[list[Unit], str]:
-        # No repeated class: a module the step calls several times (a shared layer)
-        # is the block. Still none: the step is planned by top-level parts only; say
-        # why, for the budget error.
-        paths = found
+    def discovered() -> tuple[list[Unit], str, tuple[str, ...]]:
+        # Repeated classes at several depths: the step's forward says which level
+        # covers its compute. No repeated class: a module the step calls several times
+        # (a shared layer) is the block. Still none: the step is planned by top-level
+        # parts only; say why, for the budget error.
+        paths, parents = found, []
+        candidates = block_candidates(model) if blocks is None else []
+        if nested(candidates):
+            guard.reset()
+            paths, parents = settle_nested(model, candidates, loss_fn)
         if blocks is None and not paths:
             guard.reset()
             paths = called_blocks(model, loss_fn)
         note = blocks_not_found(model) if blocks is None and not paths else ""
-        return find_units(model, paths), note
+        return find_units(model, paths), note, tuple(parents)
 
     try:
         if fake:
@@ -154,16 +161,18 @@ def _profile_prepared(
             check_fake_device(where)
             answers = AnsweredScalars() if answer_scalars else contextlib.nullcontext()
             with fake_model(model, where) as mode, mode, answers:
-                units, note = discovered()
+                units, note, parents = discovered()
                 guard.reset()
                 forward_only = run_pass(units, loss_fn, guard, plain=False)
                 guard.reset()
                 passes = [run_pass(units, loss_fn, guard, plain=True)]
             fake_profile = assemble(model, units, forward_only, passes, 0.0)
-            return replace(with_estimated_times(fake_profile, where), blocks_note=note)
+            return replace(
+                with_estimated_times(fake_profile, where), blocks_note=note, block_parents=parents
+            )
         where = device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
-            units, note = discovered()
+            units, note, parents = discovered()
             guard.reset()
             forward_only = run_pass(units, loss_fn, guard, plain=False, device=where)
             passes = []
@@ -178,4 +187,4 @@ def _profile_prepared(
     finally:
         guard.restore()
     real = with_unit_times(assemble(model, units, forward_only, passes, step_time), call)
-    return replace(real, blocks_note=note)
+    return replace(real, blocks_note=note, block_parents=parents)

@@ -30,6 +30,7 @@ from gradckpt.profiling.adapters import Adapter, register_adapter, registered_bl
 
 __all__ = [
     "Unit",
+    "block_candidates",
     "blocks_not_found",
     "call_path",
     "called_blocks",
@@ -157,7 +158,26 @@ def _repeated_children(model: nn.Module) -> list[str]:
     repeated = {cls for cls, paths in listed.items() if len(paths) >= 2}
     # A stage of one block holds it as its only child: a block all the same when
     # its class repeats in the other stages.
-    return [p for cls in repeated for p in listed[cls] + single.get(cls, [])]
+    found = [p for cls in repeated for p in listed[cls] + single.get(cls, [])]
+    modules = dict(model.named_modules())
+    # A subclass of one of torch's own layers inside a block (torchtitan's feed-forward
+    # holds w1, w2, w3 of its Linear subclass: numbered children of one class) is a
+    # part of that block, not a block: splitting the block there would leave the
+    # block's own code (the SwiGLU product, the attention, the residuals) outside
+    # every unit.
+    return [p for p in found if not (_part_like(modules[p]) and _inside_any(p, found))]
+
+
+def _part_like(module: nn.Module) -> bool:
+    """Whether ``module``'s class derives from a torch layer (not Module or a container)."""
+    return any(
+        c.__module__.startswith("torch.nn.") and c not in (nn.Module, *_LIST_CONTAINERS)
+        for c in type(module).__mro__[1:]
+    )
+
+
+def _inside_any(path: str, paths: Iterable[str]) -> bool:
+    return any(path.startswith(q + ".") for q in paths)
 
 
 def blocks_not_found(model: nn.Module) -> str:
@@ -240,7 +260,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[str]:
     """
     modules = dict(model.named_modules())
     if blocks is None:
-        paths = registered_blocks(model) or _hf_layers(model) or _repeated_children(model)
+        paths = block_candidates(model)
     elif callable(blocks):
         paths = [name for name, module in modules.items() if name and blocks(name, module)]
     else:
@@ -255,6 +275,17 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[str]:
             )
     order = {name: i for i, name in enumerate(modules)}
     return sorted(_innermost(list(dict.fromkeys(paths))), key=order.__getitem__)
+
+
+def block_candidates(model: nn.Module) -> list[str]:
+    """Every module discovery takes for a block, nested ones included (``find_blocks``
+    keeps the innermost; :mod:`gradckpt.profiling.block_cover` settles nesting on the step).
+
+    Example:
+        >>> block_candidates(swin)[:3]
+        ['layers.0', 'layers.1', 'layers.0.blocks.0']
+    """
+    return registered_blocks(model) or _hf_layers(model) or _repeated_children(model)
 
 
 def find_units(model: nn.Module, block_paths: list[str]) -> list[Unit]:

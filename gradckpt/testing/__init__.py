@@ -29,6 +29,7 @@ from gradckpt.testing.gpts import GPT, CausalSelfAttention, FeedForward, GPTBloc
 from gradckpt.testing.mlps import MLP, ResidualMLPBlock, dropout_mlp, mlp
 from gradckpt.testing.resnets import BasicBlock, ResNet, resnet, resnet_conv
 from gradckpt.testing.unets import DownBlock, UNet, UpBlock, unet
+from gradckpt.testing.wild import WILD, wild
 from gradckpt.testing.zoo import ZOO, make
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "ResidualMLPBlock",
     "UNet",
     "UpBlock",
+    "WILD",
     "atrous",
     "bn_convnet",
     "dropout_mlp",
@@ -59,4 +61,5 @@ __all__ = [
     "resnet",
     "resnet_conv",
     "unet",
+    "wild",
 ]

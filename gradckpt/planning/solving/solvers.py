@@ -317,8 +317,25 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
         f"(activations, gradients and temporaries) peaks during "
         f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
-        "sequence length." + (f" {profile.blocks_note}" if profile.blocks_note else ""),
+        "sequence length."
+        + (f" {profile.blocks_note}" if profile.blocks_note else "")
+        + _parents_hint(profile, pred.peak_position),
         least_peak_bytes=pred.peak_bytes,
+    )
+
+
+def _parents_hint(profile: Profile, position: int) -> str:
+    """Where the least peak lies outside every unit and the blocks sit inside repeated
+    parents: the parents may be the blocks (their own code then joins a unit)."""
+    if not profile.block_parents or "outside the planned units" not in _where(profile, position):
+        return ""
+    shown = ", ".join(profile.block_parents[:4]) + (
+        ", ..." if len(profile.block_parents) > 4 else ""
+    )
+    return (
+        f" The blocks gradckpt found sit inside repeated modules ({shown}) whose own code runs "
+        "outside every unit; if those are your model's blocks, pass blocks=[their paths] "
+        "(or blocks=lambda path, module: ...) and plan again."
     )
 
 
