@@ -28,6 +28,7 @@ from gradckpt.api_checks import check_arguments
 from gradckpt.api_shapes import PlanOptions, ShapeHandling
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
+from gradckpt.apply.running import call_running
 from gradckpt.planning.explaining.explain import Explanation
 from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
@@ -160,7 +161,8 @@ def plan(
         >>> print(p.summary())
     """
     check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
-                     profile=profile, segments=segments)  # fmt: skip
+                    profile=profile, segments=segments, shapes=shapes,
+                    loss_from=loss_from)  # fmt: skip
     budget, device, step = budget_and_step(  # the step's arguments are checked first
         model, budget, optimizer, accumulation_steps, set_to_none
     )
@@ -276,6 +278,8 @@ def fit(
         repeats=repeats,
         profile=profile,
         segments=segments,
+        shapes=shapes,
+        loss_from=loss_from,
     )  # before the model is touched; fmt: skip
     check_step_arguments(optimizer, accumulation_steps, set_to_none)
     offload_opts = _offload_for(offload, solver)
@@ -329,6 +333,8 @@ def fit(
                     plans[call.key] = api_shapes.plan_shape(planner, call)
             guard = api_shapes.guard(model, plans, fitted.key, planner, handling, options.step)
             install_guarded(model, chosen, guard)
+            if call_running(model):  # fit from inside the model's call (a pre-hook)
+                api_shapes.for_the_running_call(model, chosen, prof, options, guard)
 
             def put(held: Plan) -> None:
                 plans[fitted.key] = held

@@ -13,13 +13,15 @@ import numbers
 from collections.abc import Collection
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from gradckpt.planning.solving.budget import check_budget
 from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
-__all__ = ["check_arguments"]
+__all__ = ["check_arguments", "check_shapes"]
 
 _UNSET: Any = object()
 
@@ -34,6 +36,8 @@ def check_arguments(
     repeats: object = 3,
     profile: object = None,
     segments: object = True,
+    shapes: object = None,
+    loss_from: object = None,
 ) -> None:
     """Refuse bad arguments in the user's terms, before anything is profiled."""
     if not isinstance(model, nn.Module):
@@ -68,3 +72,56 @@ def check_arguments(
         raise TypeError(f"solver= is a name from {sorted(SOLVERS)} or a callable, got {solver!r}")
     if not isinstance(segments, bool):
         raise TypeError(f"segments= is True or False, got {segments!r}")
+    if shapes is not None:
+        check_shapes(shapes)
+    if loss_from is not None and not callable(loss_from):
+        raise TypeError(
+            "loss_from= takes a callable (output, *args, **kwargs) -> scalar loss, got "
+            f"{type(loss_from).__name__}"
+        )
+
+
+def check_shapes(shapes: object) -> None:
+    """``shapes=`` holds sequence lengths or example inputs; refuse anything else now.
+
+    An item that holds no tensor (``{"idx": 3}``, ``(1, 2)``) would be planned as a
+    call with those plain values and never match a real call.
+
+    Example:
+        >>> check_shapes([128, 256, {"input_ids": torch.zeros(4, 512, dtype=torch.long)}])
+    """
+    if isinstance(shapes, (str, bytes, torch.Tensor)) or not isinstance(shapes, Collection):
+        raise TypeError(
+            "shapes= is a list of sequence lengths or example inputs (e.g. [128, 512]), got "
+            f"{type(shapes).__name__}"
+        )
+    for item in shapes:
+        _check_shape_item(item, in_step=False)
+
+
+def _check_shape_item(item: object, in_step: bool) -> None:
+    if isinstance(item, bool) or (isinstance(item, int) and item <= 0):
+        raise ValueError(f"a sequence length in shapes= is a positive int, got {item!r}")
+    if isinstance(item, (int, torch.Tensor)):
+        return
+    if isinstance(item, list) and not in_step and not _has_tensor(item):
+        for entry in item:  # one entry per model call of the step
+            _check_shape_item(entry, in_step=True)
+        return
+    if isinstance(item, (dict, tuple, list)):
+        if not _has_tensor(item):
+            raise ValueError(
+                f"shapes= item {item!r:.60} holds no tensor: give a sequence length (an int) "
+                "or example inputs with tensors of the shape to plan (a dict of keyword "
+                "inputs, a tuple of positional inputs, or one tensor)"
+            )
+        return
+    raise TypeError(
+        "each item of shapes= is a sequence length (int), keyword inputs (dict), positional "
+        f"inputs (tuple) or one input tensor; got {type(item).__name__}"
+    )
+
+
+def _has_tensor(value: object) -> bool:
+    leaves, _ = tree_flatten(value)
+    return any(isinstance(x, torch.Tensor) for x in leaves)

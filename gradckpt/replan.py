@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from gradckpt.measure.memory import format_bytes
+from gradckpt.planning.plans.call_key import Key, step_key
 from gradckpt.planning.plans.planset import ShapeKey, as_written, shape_key
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.budget import BudgetError
@@ -43,6 +44,7 @@ __all__ = [
     "capture_call",
     "default_loss_from",
     "step_at",
+    "step_call",
 ]
 
 logger = logging.getLogger("gradckpt")
@@ -60,15 +62,42 @@ LossFrom = Callable[..., torch.Tensor]  # (output, *args, **kwargs) -> scalar lo
 
 @dataclass(frozen=True)
 class Call:
-    """One call of the model: its arguments and their shape key."""
+    """One call of the model (its arguments and their shape key), or the first of a step's calls.
+
+    A step that calls the model several times (a bi-encoder's anchors, then its
+    positives) is one ``Call`` whose ``more`` holds the later calls and whose
+    ``key`` is the step's :class:`~gradckpt.planning.plans.call_key.CallsKey`:
+    it is planned as one step (:func:`step_call`).
+    """
 
     args: tuple
     kwargs: dict[str, Any]
-    key: ShapeKey
+    key: Key
     #: The fitted call only: the whole-step profile and plan ``fit`` made from it
     #: (what the real re-plan route falls back on).
     profile: Any = field(default=None, compare=False, repr=False)
     plan: Any = field(default=None, compare=False, repr=False)
+    #: The step's later calls of the model, in order.
+    more: tuple[Call, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def calls(self) -> tuple[Call, ...]:
+        """Every call of the step, this one first."""
+        return (self, *self.more)
+
+
+def step_call(calls: list[Call] | tuple[Call, ...]) -> Call:
+    """The step that made ``calls``, in order: the first, keyed by all of them.
+
+    Example:
+        >>> step_call([anchor, positive]).key.describe()
+        '(8,16):int64 then (8,48):int64'
+    """
+    first, *rest = calls
+    if not rest:
+        return first
+    key = step_key([c.key for c in calls])  # type: ignore[misc]
+    return Call(first.args, first.kwargs, key, first.profile, first.plan, tuple(rest))
 
 
 def default_loss_from(output: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -89,30 +118,40 @@ def default_loss_from(output: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def capture_call(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
-    """A ``loss_fn`` that also records the model's first top-level call (see :func:`recorded`)."""
+    """A ``loss_fn`` that also records the model's calls (``.calls``, in order) in the first
+    run that calls it with grad enabled.
+
+    Calls made with grad disabled (an evaluation inside the step, a no-grad pass
+    of the profiler) are not the step's: the shape guard does not see them either.
+    """
     seen: list[Call] = []
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not seen:  # keyed as the guard keys a call: without what our own hooks add
-            seen.append(Call(args, dict(kwargs), shape_key(args, as_written(module, kwargs))))
-
     def recording() -> torch.Tensor:
+        run: list[Call] = []
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch.is_grad_enabled():  # keyed as the guard keys a call: without our hooks' kwargs
+                run.append(Call(args, dict(kwargs), shape_key(args, as_written(module, kwargs))))
+
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         try:
             return loss_fn()
         finally:
             handle.remove()
+            if run and not seen:  # the first run that called the model with grad
+                seen.extend(run)
 
     recording.calls = seen  # type: ignore[attr-defined]
     return recording
 
 
 def step_at(model: nn.Module, call: Call, loss_from: LossFrom | None) -> Callable[[], torch.Tensor]:
-    """The zero-argument step at ``call``'s shape: the model call and its loss."""
+    """The zero-argument step at ``call``'s shape: each of its model calls, the sum of their losses."""
     make_loss = loss_from or default_loss_from
 
     def loss_fn() -> torch.Tensor:
-        return make_loss(model(*call.args, **call.kwargs), *call.args, **call.kwargs)
+        losses = [make_loss(model(*c.args, **c.kwargs), *c.args, **c.kwargs) for c in call.calls]
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     return loss_fn
 
@@ -133,31 +172,46 @@ def calls_for(fitted: Call, shapes: Sequence[Any], seq_dim: int = 1) -> list[Cal
     arguments), a tensor (the one positional argument), or an int: a sequence
     length, meaning the fitted call's inputs with dimension ``seq_dim`` of every
     tensor whose size there equals the fitted length set to that length (token
-    ids are tiled, so they stay valid).
+    ids are tiled, so they stay valid). For a step that calls the model several
+    times, each item is a list with one such entry per call, in call order.
     """
-    calls = []
+    if not fitted.more:
+        return [_one_call(fitted, item, seq_dim) for item in shapes]
+    n = len(fitted.calls)
+    steps = []
     for item in shapes:
-        if isinstance(item, bool):
-            raise TypeError(f"shapes= holds example inputs or sequence lengths, not {item!r}")
-        if isinstance(item, int):
-            at = _fitted_length(fitted, seq_dim)
-            if item <= 0:
-                raise ValueError(f"a sequence length in shapes= must be positive, got {item}")
-            args = tuple(_resized(a, item, at, seq_dim) for a in fitted.args)
-            kwargs = {k: _resized(v, item, at, seq_dim) for k, v in fitted.kwargs.items()}
-        elif isinstance(item, dict):
-            args, kwargs = (), dict(item)
-        elif isinstance(item, (tuple, list)):
-            args, kwargs = tuple(item), {}
-        elif isinstance(item, torch.Tensor):
-            args, kwargs = (item,), {}
-        else:
+        if not isinstance(item, list) or len(item) != n:
             raise TypeError(
-                "each item of shapes= is a sequence length (int), keyword inputs (dict), "
-                f"positional inputs (tuple) or one input tensor; got {type(item).__name__}"
+                f"the fitted step calls the model {n} times ({fitted.key.describe()}): each "
+                f"item of shapes= is a list of {n} entries, one per call (a sequence length, "
+                f"keyword inputs, positional inputs or a tensor); got {item!r:.80}"
             )
-        calls.append(Call(args, kwargs, shape_key(args, kwargs)))
-    return calls
+        steps.append(step_call([_one_call(c, x, seq_dim) for c, x in zip(fitted.calls, item)]))
+    return steps
+
+
+def _one_call(fitted: Call, item: Any, seq_dim: int) -> Call:
+    """The one model call ``item`` stands for, beside the fitted call."""
+    if isinstance(item, bool):
+        raise TypeError(f"shapes= holds example inputs or sequence lengths, not {item!r}")
+    if isinstance(item, int):
+        at = _fitted_length(fitted, seq_dim)
+        if item <= 0:
+            raise ValueError(f"a sequence length in shapes= must be positive, got {item}")
+        args = tuple(_resized(a, item, at, seq_dim) for a in fitted.args)
+        kwargs = {k: _resized(v, item, at, seq_dim) for k, v in fitted.kwargs.items()}
+    elif isinstance(item, dict):
+        args, kwargs = (), dict(item)
+    elif isinstance(item, (tuple, list)):
+        args, kwargs = tuple(item), {}
+    elif isinstance(item, torch.Tensor):
+        args, kwargs = (item,), {}
+    else:
+        raise TypeError(
+            "each item of shapes= is a sequence length (int), keyword inputs (dict), "
+            f"positional inputs (tuple) or one input tensor; got {type(item).__name__}"
+        )
+    return Call(args, kwargs, shape_key(args, kwargs))
 
 
 def _fitted_length(fitted: Call, seq_dim: int) -> int:
@@ -176,13 +230,15 @@ def predicted_peak(profile_at: Callable[[Call], Any], plan: Any, call: Call) -> 
     return simulate(profile_at(call), plan).peak_bytes
 
 
-def length_of(fitted: ShapeKey, key: ShapeKey, seq_dim: int) -> tuple[int, int] | None:
+def length_of(fitted: Key, key: Key, seq_dim: int) -> tuple[int, int] | None:
     """``(fitted length, new length)`` if ``key`` is ``fitted`` with only the sequence length changed.
 
     The sequence length is dimension ``seq_dim`` of the first tensor input that has
     one; every tensor whose size there is that length may change it (to the same
-    new length), and nothing else may change.
+    new length), and nothing else may change. Steps of several calls are not rescaled (None).
     """
+    if not isinstance(fitted, ShapeKey) or not isinstance(key, ShapeKey):
+        return None
     if len(fitted.args) != len(key.args) or [k for k, _ in fitted.kwargs] != [
         k for k, _ in key.kwargs
     ]:
@@ -265,7 +321,10 @@ class ShapePlanner:
         self.scaling_tried = False
         self.scaling_ops: tuple[str, ...] | None = None  # the op trace the scaling assumes
         self.rescaled = 0  # plans made from the scaling (no profile at their shape)
-        self.routes: dict[ShapeKey, str] = {fitted.key: "fitted"}
+        self.routes: dict[Key, str] = {fitted.key: "fitted"}
+        #: What the user's step keeps beyond the replayed model calls, at a profile's
+        #: shape (set by the API, which knows the fitted step; 0 when not known).
+        self.step_tail: Callable[[Any], int] = lambda prof: 0
 
     def profile_call(self, call: Call) -> Any:
         """A fake profile of the step at ``call`` (user hooks are suspended by ``fake_model``)."""

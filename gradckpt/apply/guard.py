@@ -60,6 +60,8 @@ __all__ = [
     "install",
     "learning",
     "paused",
+    "raised",
+    "returned",
     "shape_stats",
 ]
 
@@ -151,6 +153,24 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
     return model.__dict__.get("forward")
+
+
+def returned(forward: Any, out: Any) -> None:
+    """The root wrapper's call of ``forward`` returned ``out``: the guard follows its step."""
+    model = getattr(forward, "__self__", None)
+    if isinstance(model, nn.Module) and _ATTR in model.__dict__:
+        guard = guard_of(model)
+        if guard is not None:
+            guard.on_return(out)
+
+
+def raised(forward: Any) -> None:
+    """The root wrapper's call of ``forward`` raised: the guard's step ends there."""
+    model = getattr(forward, "__self__", None)
+    if isinstance(model, nn.Module) and _ATTR in model.__dict__:
+        guard = guard_of(model)
+        if guard is not None:
+            guard.abandon()
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

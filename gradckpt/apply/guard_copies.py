@@ -35,7 +35,7 @@ NO_PLANNER = (
 )
 
 # Bound to one model or one process: never copied into another model's guard.
-_LOCAL_FIELDS = ("switch", "owner", "recompiles", "_busy")
+_LOCAL_FIELDS = ("switch", "owner", "recompiles", "_busy", "_steps")
 
 
 def copied(guard: ShapeGuard, keep_planner: bool) -> ShapeGuard:
@@ -46,7 +46,7 @@ def copied(guard: ShapeGuard, keep_planner: bool) -> ShapeGuard:
     class (a subclass's fields travel too).
     """
     changes: dict[str, Any] = {"switch": None, "owner": None, "recompiles": None,
-                               "_busy": threading.local()}  # fmt: skip
+                               "_busy": threading.local(), "_steps": threading.local()}  # fmt: skip
     for f in dataclasses.fields(guard):
         value = getattr(guard, f.name)
         if f.name in _LOCAL_FIELDS:

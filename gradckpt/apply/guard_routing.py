@@ -51,21 +51,21 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, start
+from gradckpt.apply.guard_steps import ShapeError, StepCalls, StepRouting, arm
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.plans.call_key import ShapeKey, shape_key
+from gradckpt.planning.plans.call_key import Key, ShapeKey, calls_of, shape_key
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.profiling.units import CALL_MARK
 
 __all__ = ["POLICIES", "Planner", "Predictor", "ShapeError", "ShapeGuard", "ShapeStats"]
 
 POLICIES = ("replan", "warn", "error")
 
-Planner = Callable[[tuple, dict], Plan]  # (args, kwargs) of a call -> a plan for its shape
-Predictor = Callable[[Plan, tuple, dict], int]  # a plan's predicted peak at a call's shape
-
-
-class ShapeError(ValueError):
-    """A guarded model was called with a shape it has no plan for (policy ``"error"``)."""
+#: The (args, kwargs) of each model call of one step -> a plan for that step's shapes.
+Planner = Callable[[list[tuple[tuple, dict]]], Plan]
+#: A plan's predicted peak at the shapes of one step's calls.
+Predictor = Callable[[Plan, list[tuple[tuple, dict]]], int]
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,12 @@ class ShapeStats:
 
 
 @dataclass(eq=False)
-class ShapeGuard:
+class ShapeGuard(StepRouting):
     """Per-model guard state: plans by shape, the active shape, policy and counters."""
 
     policy: str
-    plans: dict[ShapeKey | None, Plan]
-    active: ShapeKey | None
+    plans: dict[Key | None, Plan]
+    active: Key | None
     switch: Callable[[Plan], None] | None  # None: a copy's, bound to it at its first call
     planner: Planner | None = None
     predictor: Predictor | None = None
@@ -122,11 +122,19 @@ class ShapeGuard:
     calls: int = 0
     replans: list[float] = field(default_factory=list)
     switches: int = 0
-    warned: set[ShapeKey] = field(default_factory=set)
+    warned: set[Key] = field(default_factory=set)
+    #: The step key that last began at a first call's key (the pattern steps repeat).
+    preferred: dict[ShapeKey, Key] = field(default_factory=dict)
+    unforeseen: int = 0  # steps that ran a combination of shapes no plan foresaw
+    learning_calls: bool = False  # a plan applied alone: its later calls are learned too
+    #: A plan without segments runs until the next step (fit from inside the model's call).
+    interim: bool = False
+
     note: str = ""  # why this guard warns rather than plans (a copy, a plan applied by hand)
     unread: set[str] = field(default_factory=set)  # arguments already named as unreadable
     owner: weakref.ref | None = None  # the model guarded (None: a copy, bound at its first call)
     _busy: threading.local = field(default_factory=threading.local)
+    _steps: threading.local = field(default_factory=threading.local)  # .current: StepCalls
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -158,6 +166,12 @@ class ShapeGuard:
     def on_call(self, args: tuple, kwargs: dict) -> Learning | None:
         """Check one call before it runs; switch, plan, warn or raise as the policy says.
 
+        The first call of a step picks the plan (a switch between steps); a later
+        call is only compared with the plan the step began under: nothing is
+        switched or planned in the middle of a step (an earlier call's saved
+        state would see it). A step that went off its plan is planned once it
+        ended, before the next step's first call (:meth:`_settle`).
+
         Returns the call's :class:`Learning` record when the plan's call shape is
         not known yet (its units then check their inputs; see :func:`finish`).
         """
@@ -168,21 +182,43 @@ class ShapeGuard:
             return None  # eval, or our own profiling call of the model
         self.calls += 1
         key = shape_key(args, kwargs)
-        if key == self.active:
-            if self.calls == 1:
+        step = getattr(self._steps, "current", None)
+        if step is None or step.ended:
+            if step is not None:
+                self._settle(step)
+            step = self._steps.current = StepCalls()
+        index = step.add(key, args, kwargs)
+        try:
+            if self.calls == 1 or key != (self.active and calls_of(self.active)[0]):
                 self._name_unread(key)
-            return None
-        self._name_unread(key)
-        known = self.plans.get(key)
-        if known is not None:
-            self._switch(key, known)
-            return None
-        if self.round_up:
-            bound = _bounding(self.plans, key)
-            if bound is not None:
-                if bound[0] != self.active:
-                    self._switch(bound[0], bound[1])
+            if index > 0:
+                self._later_call(step, index, key)
                 return None
+            entry = self._first_call(key, args, kwargs)
+        except BaseException:
+            self.abandon()  # the call does not run (refused, or no plan fits)
+            raise
+        step.plan_key = self.active
+        return entry
+
+    def abandon(self) -> None:
+        """The running step stops here (a call refused or raised): the next call begins anew."""
+        self._steps.current = None
+
+    def on_return(self, out: Any) -> None:
+        """A checked call returned ``out``: its step ends with the backward through it."""
+        if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
+            return
+        step = getattr(self._steps, "current", None)
+        if step is not None and not step.ended and not arm(step, out):
+            step.drop_last()  # nothing to backpropagate: not a call of a training step
+
+    def _first_call(self, key: ShapeKey, args: tuple, kwargs: dict) -> Learning | None:
+        chosen = self._plan_for_first(key)
+        if chosen is not None:
+            if chosen != self.active or self.interim:
+                self._switch(chosen, self.plans[chosen])
+            return None
         if self.active is None:
             return self._learn(key)
         if self.policy == "error":
@@ -192,9 +228,9 @@ class ShapeGuard:
                 "shapes=[...])), or fit with on_new_shape='replan' or 'warn'"
             )
         if self.policy == "warn":
-            self._warn(key, args, kwargs)
+            self._warn(key, [(args, kwargs)])
             return None
-        self._replan(key, args, kwargs)
+        self._replan(key, [(args, kwargs)])
         return None
 
     def _name_unread(self, key: ShapeKey) -> None:
@@ -226,6 +262,8 @@ class ShapeGuard:
         if self.active is None and None in self.plans:
             self.plans[key] = self.plans.pop(None)
             self.active = key
+            # A plan for several calls of the model per step learns its later calls too.
+            self.learning_calls = any(CALL_MARK in u for u, _ in self.plans[key].input_shapes)
 
     def unit_mismatch(self, key: ShapeKey, path: str, planned: tuple, got: tuple) -> None:
         """A unit of a call at ``key`` got inputs of another shape than its plan's: warn or raise."""
@@ -245,9 +283,10 @@ class ShapeGuard:
     def _known(self) -> str:
         return "; ".join(k.describe() for k in self.plans if k is not None) or "(none recorded)"
 
-    def _switch(self, key: ShapeKey, plan: Plan) -> None:
+    def _switch(self, key: Key, plan: Plan) -> None:
         assert self.switch is not None, "a copy's guard is bound at its model's first call"
         self.switch(plan)
+        self.interim = False
         self.active = key
         self.switches += 1
 
@@ -262,15 +301,13 @@ class ShapeGuard:
         finally:
             self._busy.on = before
 
-    def _warn(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
+    def _warn(self, key: ShapeKey, inputs: list[tuple[tuple, dict]]) -> None:
         if key in self.warned:
             return
         self.warned.add(key)
         plan = self.plans[self.active]
         peak = (
-            self._busy_call(self.predictor, plan, args, kwargs)
-            if self.predictor is not None
-            else None
+            self._busy_call(self.predictor, plan, inputs) if self.predictor is not None else None
         )
         made_for = self.active.describe() if self.active else "?"
         self._say(
@@ -300,11 +337,14 @@ class ShapeGuard:
             stacklevel=5,
         )
 
-    def _replan(self, key: ShapeKey, args: tuple, kwargs: dict) -> None:
+    def _replan(
+        self, key: Key, inputs: list[tuple[tuple, dict]], switch: bool = True
+    ) -> None:
+        """Plan ``key`` (the calls ``inputs`` of one step); with ``switch``, run it now."""
         assert self.planner is not None
         start = time.perf_counter()
         try:
-            plan = self._busy_call(self.planner, args, kwargs)
+            plan = self._busy_call(self.planner, inputs)
         except BudgetError as exc:
             raise BudgetError(
                 f"gradckpt: no plan fits the budget at the new input shape {key.describe()} "
@@ -316,7 +356,8 @@ class ShapeGuard:
         finally:
             self.replans.append(time.perf_counter() - start)
         self.plans[key] = plan
-        self._switch(key, plan)
+        if switch:
+            self._switch(key, plan)
 
     def bind(self, model: nn.Module) -> None:
         """Make ``model`` the guarded one; a copy's guard then switches the copy's plans."""
@@ -335,9 +376,3 @@ class ShapeGuard:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return guard_copies.reduced(self)
-
-
-def _bounding(plans: dict[ShapeKey | None, Plan], key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
-    """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
-    found = [(k, p) for k, p in plans.items() if k is not None and key.bounded_by(k)]
-    return min(found, key=lambda kp: kp[0].numel()) if found else None

@@ -206,6 +206,8 @@ class RootGuard:
     # check, which may plan a new shape, must run eagerly.
     check = staticmethod(shape_guard.check)
     finish = staticmethod(shape_guard.finish)
+    returned = staticmethod(shape_guard.returned)
+    raised = staticmethod(shape_guard.raised)
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
@@ -242,9 +244,11 @@ class RootGuard:
         try:
             out = self.forward(*args, **kwargs)
             completed = True
+            self.returned(self.forward, out)  # the guard follows the step's calls
             return out
         except BaseException as exc:
             _close_segments_above(depth, exc)
+            self.raised(self.forward)
             raise
         finally:
             roots.pop()
@@ -283,6 +287,8 @@ def make_opaque(forward: UnitForward | RootGuard) -> None:
             if cls is OpaqueRootGuard:
                 cls.check = staticmethod(torch.compiler.disable(shape_guard.check))
                 cls.finish = staticmethod(torch.compiler.disable(shape_guard.finish))
+                cls.returned = staticmethod(torch.compiler.disable(shape_guard.returned))
+                cls.raised = staticmethod(torch.compiler.disable(shape_guard.raised))
             cls._gradckpt_disabled = True
     if type(forward) is UnitForward:
         forward.__class__ = OpaqueUnitForward

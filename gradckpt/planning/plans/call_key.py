@@ -26,7 +26,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ShapeKey", "Sig", "TensorSig", "as_written", "shape_key"]
+__all__ = [
+    "CallsKey",
+    "Key",
+    "ShapeKey",
+    "Sig",
+    "TensorSig",
+    "as_written",
+    "calls_of",
+    "key_from_json",
+    "shape_key",
+    "step_key",
+]
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,10 @@ class ShapeKey:
     def _sigs(self) -> list[Sig]:
         return [*self.args, *(s for _, s in self.kwargs)]
 
-    def bounded_by(self, other: ShapeKey) -> bool:
+    def bounded_by(self, other: ShapeKey | CallsKey) -> bool:
         """Same inputs, dtypes and ranks as ``other``, and no dimension larger."""
+        if not isinstance(other, ShapeKey):
+            return False
         if len(self.args) != len(other.args) or [k for k, _ in self.kwargs] != [
             k for k, _ in other.kwargs
         ]:
@@ -151,6 +164,78 @@ class ShapeKey:
         return cls(
             tuple(sig(s) for s in data["args"]), tuple((k, sig(s)) for k, s in data["kwargs"])
         )
+
+
+@dataclass(frozen=True)
+class CallsKey:
+    """The shapes of a step that calls the model several times, in call order.
+
+    A bi-encoder runs its anchors and then its positives through one model; a
+    step at (16 tokens, then 48) and one at (48, then 16) keep different tensors,
+    so each order is its own key. A step of one call is keyed by that call's
+    :class:`ShapeKey` alone (:func:`step_key`).
+
+    Example:
+        >>> a, b = shape_key((torch.zeros(8, 16),), {}), shape_key((torch.zeros(8, 48),), {})
+        >>> step_key([a, b]).describe()
+        '(8,16):float32 then (8,48):float32'
+    """
+
+    calls: tuple[ShapeKey, ...]
+
+    def describe(self) -> str:
+        return " then ".join(k.describe() for k in self.calls)
+
+    def unread(self) -> list[str]:
+        return list(dict.fromkeys(u for k in self.calls for u in k.unread()))
+
+    def bounded_by(self, other: Key) -> bool:
+        """As many calls as ``other``, each bounded by its counterpart."""
+        theirs = calls_of(other)
+        return len(theirs) == len(self.calls) and all(
+            mine.bounded_by(t) for mine, t in zip(self.calls, theirs)
+        )
+
+    def numel(self) -> int:
+        return sum(k.numel() for k in self.calls)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calls": [k.to_json() for k in self.calls]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CallsKey:
+        return cls(tuple(ShapeKey.from_json(k) for k in data["calls"]))
+
+
+#: The key of a step: its one call's shapes, or the shapes of each of its calls.
+Key = ShapeKey | CallsKey
+
+
+def step_key(calls: list[ShapeKey] | tuple[ShapeKey, ...]) -> Key:
+    """The key of a step that made ``calls`` (one call: that call's key).
+
+    Example:
+        >>> step_key([k]) is k
+        True
+    """
+    if not calls:
+        raise ValueError("a step key needs at least one call")
+    return calls[0] if len(calls) == 1 else CallsKey(tuple(calls))
+
+
+def calls_of(key: Key) -> tuple[ShapeKey, ...]:
+    """The call keys of a step key, in order (one for a :class:`ShapeKey`).
+
+    Example:
+        >>> calls_of(step_key([a, b])) == (a, b)
+        True
+    """
+    return key.calls if isinstance(key, CallsKey) else (key,)
+
+
+def key_from_json(data: dict[str, Any]) -> Key:
+    """A :class:`ShapeKey` or :class:`CallsKey` from its JSON."""
+    return CallsKey.from_json(data) if "calls" in data else ShapeKey.from_json(data)
 
 
 def _container(sig: Sig) -> bool:

@@ -23,12 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from gradckpt._versioned import check_header
-from gradckpt.planning.plans.call_key import ShapeKey, TensorSig, as_written, shape_key
+from gradckpt.planning.plans.call_key import (
+    CallsKey,
+    Key,
+    ShapeKey,
+    TensorSig,
+    as_written,
+    key_from_json,
+    shape_key,
+)
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.profiling.records import Profile
 
 __all__ = [
     "PLANSET_VERSION",
+    "CallsKey",
+    "Key",
     "PlanSet",
     "ShapeKey",
     "TensorSig",
@@ -54,7 +64,7 @@ class PlanSet:
         >>> plans.get(gradckpt.planning.plans.planset.shape_key((), batch)).predicted_peak_bytes
     """
 
-    entries: tuple[tuple[ShapeKey | None, Plan], ...]
+    entries: tuple[tuple[Key | None, Plan], ...]
     version: int = PLANSET_VERSION
 
     def __post_init__(self) -> None:
@@ -78,20 +88,20 @@ class PlanSet:
         return self.entries[0][1].budget_bytes
 
     @property
-    def plans(self) -> dict[ShapeKey | None, Plan]:
+    def plans(self) -> dict[Key | None, Plan]:
         return dict(self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __iter__(self) -> Iterator[tuple[ShapeKey | None, Plan]]:
+    def __iter__(self) -> Iterator[tuple[Key | None, Plan]]:
         return iter(self.entries)
 
-    def get(self, key: ShapeKey) -> Plan | None:
+    def get(self, key: Key) -> Plan | None:
         """The plan made for exactly ``key``, or None."""
         return self.plans.get(key)
 
-    def bounding(self, key: ShapeKey) -> tuple[ShapeKey, Plan] | None:
+    def bounding(self, key: Key) -> tuple[Key, Plan] | None:
         """The smallest planned shape that bounds ``key`` in every dimension, with its plan."""
         found = [(k, p) for k, p in self.entries if k is not None and key.bounded_by(k)]
         return min(found, key=lambda kp: kp[0].numel()) if found else None  # fewest elements
@@ -129,7 +139,7 @@ class PlanSet:
         return cls(
             tuple(
                 (
-                    ShapeKey.from_json(e["shape"]) if e["shape"] is not None else None,
+                    key_from_json(e["shape"]) if e["shape"] is not None else None,
                     Plan.from_json(e["plan"]),
                 )
                 for e in data["entries"]
