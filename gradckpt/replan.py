@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -125,21 +125,33 @@ def capture_call(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Calla
     of the profiler) are not the step's: the shape guard does not see them either.
     """
     seen: list[Call] = []
+    first: list[ShapeKey] = []  # the keys of the very first run's calls
 
     def recording() -> torch.Tensor:
-        run: list[Call] = []
+        run: list[tuple[bool, Call]] = []
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if torch.is_grad_enabled():  # keyed as the guard keys a call: without our hooks' kwargs
-                run.append(Call(args, dict(kwargs), shape_key(args, as_written(module, kwargs))))
+            # keyed as the guard keys a call: without the kwargs our own hooks add
+            key = shape_key(args, as_written(module, kwargs))
+            run.append((torch.is_grad_enabled(), Call(args, dict(kwargs), key)))
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         try:
             return loss_fn()
         finally:
             handle.remove()
-            if run and not seen:  # the first run that called the model with grad
-                seen.extend(run)
+            if not first:
+                first.extend(c.key for _, c in run)
+            if not seen and any(grad for grad, _ in run):  # the first run with grad calls
+                # Keyed as in the first run: a model that writes its outputs into its input
+                # dict (sentence-transformers) changed the batch the later runs see, not the
+                # fresh batches training passes.
+                same = len(first) == len(run)
+                seen.extend(
+                    replace(c, key=first[i]) if same else c
+                    for i, (grad, c) in enumerate(run)
+                    if grad
+                )
 
     recording.calls = seen  # type: ignore[attr-defined]
     return recording

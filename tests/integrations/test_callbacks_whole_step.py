@@ -223,7 +223,7 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def _preferences(n: int = 32, prompt: int = 64, completion: int = 63):
+def _preferences(n: int = 32, prompt: int = 64, completion: int = 63, spread: int = 0):
     from datasets import Dataset
 
     g = torch.Generator().manual_seed(5)
@@ -231,13 +231,16 @@ def _preferences(n: int = 32, prompt: int = 64, completion: int = 63):
     def words(k: int) -> str:
         return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=g))
 
+    def length() -> int:  # completions of completion - spread .. completion tokens
+        return completion - int(torch.randint(0, spread + 1, (1,), generator=g))
+
     # Completions start with a space: the prompt's last word and theirs stay two tokens.
-    rows = [{"prompt": words(prompt), "chosen": " " + words(completion),
-             "rejected": " " + words(completion)} for _ in range(n)]  # fmt: skip
+    rows = [{"prompt": words(prompt), "chosen": " " + words(length()),
+             "rejected": " " + words(length())} for _ in range(n)]  # fmt: skip
     return Dataset.from_list(rows)
 
 
-def _dpo_train(tmp_path, callbacks=()):
+def _dpo_train(tmp_path, callbacks=(), spread=0):
     from trl import DPOConfig, DPOTrainer
 
     policy = hf_example("llama", layers=4, hidden=128, heads=4, seq=SEQ, vocab=VOCAB).model
@@ -249,7 +252,7 @@ def _dpo_train(tmp_path, callbacks=()):
         gradient_checkpointing=False, bf16=False,  # TRL's defaults are True: the plain step here
     )  # fmt: skip
     trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
-                         train_dataset=_preferences(), processing_class=_tokenizer(),
+                         train_dataset=_preferences(spread=spread), processing_class=_tokenizer(),
                          callbacks=list(callbacks))  # fmt: skip
     held = state_bytes(policy) + state_bytes(reference)
     with AllocatorTracker() as tracker:
@@ -290,3 +293,26 @@ def test_trl_dpo_with_a_reference_model_holds_a_byte_budget(tmp_path, monkeypatc
     # boolean masks as all-true): the prediction is an upper bound here, not a 2% one
     # (59.2 MiB predicted against 40.4 MiB measured when this test was written).
     assert report.measured_peak_bytes <= report.predicted_peak_bytes
+
+
+def test_trl_dpo_at_lengths_varying_per_batch_holds_a_byte_budget_at_every_step(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    # TRL's fused LM head at a tile of 128 vocabulary columns; batches padded to their
+    # longest pair: the policy's call changes shape from batch to batch.
+    monkeypatch.setattr("trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE", 128, raising=False)
+    _, plain_losses, plain_peak = _dpo_train(tmp_path / "plain", spread=40)
+    budget = int(FRACTION * plain_peak)
+    callback = BudgetCallback(budget)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not profile .* under fake tensors")
+        warnings.filterwarnings("error", message="gradckpt: .*did not foresee")
+        trainer, losses, peak = _dpo_train(tmp_path / "planned", [callback], spread=40)
+    stats = gradckpt.shape_stats(trainer.model)
+    log.warning("dpo, varying lengths: budget %s, high-water %s; %s", format_bytes(budget),
+                format_bytes(peak), stats.summary())  # fmt: skip
+    assert stats.replans >= 1  # the lengths did change, and were planned
+    assert losses == plain_losses
+    assert peak <= budget  # every step, planning included, at the allocator
