@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -192,6 +193,8 @@ def shape_planner(
     """
     assert budget_bytes is not None
     loss_from = shapes.loss_from
+    if loss_from is not None:
+        _check_loss_from(loss_from, fitted)
 
     def profile_fake(step: LossFn) -> Profile:
         return profile_step(model, step, blocks=options.blocks, fake=True)
@@ -255,6 +258,26 @@ def shape_planner(
     )  # fmt: skip
     made.step_tail = step_tail
     return made
+
+
+def _check_loss_from(loss_from: replan.LossFrom, fitted: replan.Call) -> None:
+    """``loss_from`` takes the model's output and the model call's own arguments: now, not
+    at the first new shape (where a mismatch would only leave the old plan running)."""
+    try:
+        signature = inspect.signature(loss_from)
+    except (TypeError, ValueError):  # no signature to read (a builtin): called as it is
+        return
+    try:
+        signature.bind(None, *fitted.args, **fitted.kwargs)
+    except TypeError as exc:
+        given = ", ".join(
+            [f"{len(fitted.args)} positional"] + [f"{k}=" for k in fitted.kwargs]
+        )
+        raise TypeError(
+            f"gradckpt: loss_from= is called as loss_from(output, *args, **kwargs) with the "
+            f"model call's own arguments ({given}), and {exc}; e.g. "
+            "loss_from=lambda output, *args, **kwargs: <the loss>"
+        ) from None
 
 
 def _step_tail(

@@ -117,3 +117,12 @@ def test_model_with_nothing_to_checkpoint_suggests_blocks():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="blocks="):
         gradckpt.plan(model, lambda: model(x).sum(), 0.5, repeats=1)
+
+
+def test_loss_from_that_cannot_take_the_models_arguments_is_refused_at_fit(counted):
+    model, loss_fn, _ = counted
+    with pytest.raises(TypeError, match=r"loss_from\(output, \*args, \*\*kwargs\)"):
+        gradckpt.fit(model, loss_fn, 1.0, loss_from=lambda output: output.sum(), shapes=[8])
+    assert gradckpt.applied_plan(model) is None
+    with pytest.raises(TypeError, match="loss_from= takes a callable"):
+        gradckpt.fit(model, loss_fn, 1.0, loss_from="loss")

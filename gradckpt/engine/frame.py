@@ -249,7 +249,7 @@ class Frame:
                 self.lenient_count = True
                 return None
             raise CheckpointError(
-                "Trying to save more tensors during recomputation than "
+                "gradckpt: trying to save more tensors during recomputation than "
                 f"during the original forward pass: region {self.name!r} saved "
                 f"{len(self.slots)} in its forward. {DEBUG_TIP}{self._log_tail()}"
             )

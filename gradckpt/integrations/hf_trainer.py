@@ -111,6 +111,18 @@ def _others(trainer: Trainer, model: nn.Module) -> list[nn.Module]:
     return found
 
 
+#: transformers' Trainer reads the loss as ``outputs["loss"]`` or ``outputs[0]``: a model
+#: that returns its loss as a bare scalar tensor fails there (indexing a 0-dim tensor),
+#: before anything the callback's ``loss_from`` could read.
+_NO_LOSS_IN_OUTPUT = (
+    "gradckpt: the Trainer's compute_loss could not read a loss from the model's output: "
+    "it takes outputs['loss'] or outputs[0], and the model returned a bare scalar tensor. "
+    "Return a dict or ModelOutput with 'loss' from the model's forward, or give the Trainer "
+    "compute_loss_func=(outputs, labels, num_items_in_batch) -> loss; the callback's "
+    "loss_from reads what compute_loss returns, so it cannot help here."
+)
+
+
 class BudgetCallback(FirstBatchBudget, TrainerCallback):
     """Plan and apply gradckpt on the Trainer's first training step, then measure two under it.
 
@@ -243,7 +255,12 @@ class BudgetCallback(FirstBatchBudget, TrainerCallback):
 
         def loss_fn() -> torch.Tensor:
             # compute_loss may pop from inputs (labels, with a label smoother): a copy each call.
-            out = original(model, copy.copy(inputs), *args, **kwargs)
+            try:
+                out = original(model, copy.copy(inputs), *args, **kwargs)
+            except IndexError as exc:
+                if "0-dim" not in str(exc):
+                    raise
+                raise ValueError(_NO_LOSS_IN_OUTPUT) from exc
             if isinstance(out, tuple):  # return_outputs=True: (loss, outputs)
                 out = out[0]
             return self.loss_from(out)

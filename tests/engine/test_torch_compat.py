@@ -479,6 +479,21 @@ def fewer_tensors_in_recompute_raises(ckpt):
 
 
 @behaviour
+def more_tensors_in_recompute_raises_in_torchs_words(ckpt):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        y = x.sin()
+        return y if len(calls) == 1 else y.exp().exp()
+
+    out = ckpt(fn, leaf(3), early_stop=False)
+    # torch's own tests match its message case-sensitively.
+    with pytest.raises(tc.CheckpointError, match="trying to save more tensors during recomputation"):
+        out.sum().backward()
+
+
+@behaviour
 def determinism_check_none_skips_the_check(ckpt):
     x = leaf(3, 4, requires_grad=True)
     w = leaf(4, 4, seed=1)

@@ -188,6 +188,39 @@ def test_bad_budget_fails_when_the_callback_is_made():
         BudgetCallback(0.5, loss_from="loss")
 
 
+class _BareLoss(torch.nn.Module):
+    """A model whose forward returns its loss as a bare scalar tensor (no dict, no .loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.cross_entropy(x, labels)
+
+
+class _Vectors(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.randn(16, generator=torch.Generator().manual_seed(i)),
+                "labels": torch.tensor(i % 16)}  # fmt: skip
+
+
+def test_a_model_returning_a_bare_scalar_loss_is_told_how_the_trainer_reads_losses(tmp_path):
+    model = _BareLoss()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_Vectors(),
+                      callbacks=[BudgetCallback(0.9, loss_from=lambda out: out)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"outputs\['loss'\] or outputs\[0\].*compute_loss_func"):
+        trainer.train()
+    assert gradckpt.applied_plan(model) is None
+
+
 def test_importing_gradckpt_loads_no_trainer_library():
     code = (
         "import sys, gradckpt, gradckpt.integrations, gradckpt.integrations.hf; "
