@@ -120,3 +120,13 @@ def test_compiled_cache_probe_quick_writes_report(tmp_path: Path) -> None:
     assert set(trial["times"]) == {"scratch", "cached1", "cached2"}
     assert all(len(t) == 2 for t in trial["times"].values())  # --quick: 2 timed rounds
     assert trial["scratch_over_cached"] > 0 and trial["cached_over_cached"] > 0
+
+
+def test_wild_blocks_quick_writes_report(tmp_path: Path) -> None:
+    _run("benchmarks.wild_blocks", tmp_path)
+    text, data = _written(tmp_path, "wild-blocks-titan-llama")
+    for name in ("plain", "torch_full", "torch_sac", "gradckpt_full_peak", "gradckpt_sac_peak"):
+        assert f"`{name}`" in text
+        assert data["results"][name]["peak_bytes"] > 0
+    assert "| target | wanted | measured | verdict |" in text
+    assert data["extra"]["blocks_found"] == ["layers.0", "layers.1"]
