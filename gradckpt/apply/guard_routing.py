@@ -186,6 +186,7 @@ class ShapeGuard(StepRouting):
         if step is None or step.ended:
             if step is not None:
                 self._settle(step)
+                self.learning_calls = False  # a plan applied alone learned its whole step
             step = self._steps.current = StepCalls()
         index = step.add(key, args, kwargs)
         try:

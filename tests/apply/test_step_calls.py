@@ -148,3 +148,16 @@ def test_fit_from_the_models_forward_pre_hook_holds_the_budget_on_the_call_that_
     second, _ = peak_and_grads(ex.model, ex.loss_fn)
     assert gradckpt.applied_plan(ex.model) is plan  # from the next step on
     assert second <= budget, (second, budget)
+
+
+def test_a_two_call_plan_applied_alone_learns_both_calls_and_holds_the_budget(peak_and_grads):
+    model = _gpt()
+    plain_peak, _ = peak_and_grads(model, _two_calls(model))
+    budget = int(0.7 * plain_peak)
+    plan = gradckpt.plan(model, _two_calls(model), budget)
+    gradckpt.apply(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step is taken for an unforeseen one
+        peaks = [peak_and_grads(model, _two_calls(model), seed)[0] for seed in range(3)]
+    assert all(p <= budget for p in peaks), (peaks, budget)
+    assert guard_of(model).active.describe() == "(8,32):int64 then (8,48):int64"
