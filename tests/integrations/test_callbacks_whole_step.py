@@ -231,28 +231,30 @@ def _preferences(n: int = 32, prompt: int = 64, completion: int = 63, spread: in
     def words(k: int) -> str:
         return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 2, (k,), generator=g))
 
-    def length() -> int:  # completions of completion - spread .. completion tokens
-        return completion - int(torch.randint(0, spread + 1, (1,), generator=g))
-
-    # Completions start with a space: the prompt's last word and theirs stay two tokens.
-    rows = [{"prompt": words(prompt), "chosen": " " + words(length()),
-             "rejected": " " + words(length())} for _ in range(n)]  # fmt: skip
+    rows = []
+    for _ in range(n):
+        # Completions of completion .. completion + spread - 1 words, drawn per pair.
+        chosen, rejected = (completion + int(torch.randint(0, spread + 1, (1,), generator=g))
+                            for _ in range(2))  # fmt: skip
+        # Completions start with a space: the prompt's last word and theirs stay two tokens.
+        rows.append({"prompt": words(prompt), "chosen": " " + words(chosen),
+                     "rejected": " " + words(rejected)})  # fmt: skip
     return Dataset.from_list(rows)
 
 
-def _dpo_train(tmp_path, callbacks=(), spread=0):
+def _dpo_train(tmp_path, callbacks=(), data=None, max_steps=STEPS):
     from trl import DPOConfig, DPOTrainer
 
     policy = hf_example("llama", layers=4, hidden=128, heads=4, seq=SEQ, vocab=VOCAB).model
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     config = DPOConfig(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=BATCH,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
         disable_tqdm=True, disable_dropout=False, max_length=None, dataset_num_proc=None,
         gradient_checkpointing=False, bf16=False,  # TRL's defaults are True: the plain step here
     )  # fmt: skip
     trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
-                         train_dataset=_preferences(spread=spread), processing_class=_tokenizer(),
+                         train_dataset=data or _preferences(), processing_class=_tokenizer(),
                          callbacks=list(callbacks))  # fmt: skip
     held = state_bytes(policy) + state_bytes(reference)
     with AllocatorTracker() as tracker:
@@ -303,13 +305,17 @@ def test_trl_dpo_at_lengths_varying_per_batch_holds_a_byte_budget_at_every_step(
     # TRL's fused LM head at a tile of 128 vocabulary columns; batches padded to their
     # longest pair: the policy's call changes shape from batch to batch.
     monkeypatch.setattr("trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE", 128, raising=False)
-    _, plain_losses, plain_peak = _dpo_train(tmp_path / "plain", spread=40)
+    # Pairs of 60-word prompts and 10..45-word completions, 4 pairs a batch: the batches
+    # pad to 103, 104 and 106 tokens. Planning each new length from the policy's call
+    # alone ran the step at 106 tokens 1.07 MiB over this budget, silently.
+    data = _preferences(n=24, prompt=60, completion=10, spread=35)
+    _, plain_losses, plain_peak = _dpo_train(tmp_path / "plain", data=data, max_steps=6)
     budget = int(FRACTION * plain_peak)
     callback = BudgetCallback(budget)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*could not profile .* under fake tensors")
         warnings.filterwarnings("error", message="gradckpt: .*did not foresee")
-        trainer, losses, peak = _dpo_train(tmp_path / "planned", [callback], spread=40)
+        trainer, losses, peak = _dpo_train(tmp_path / "planned", [callback], data=data, max_steps=6)
     stats = gradckpt.shape_stats(trainer.model)
     log.warning("dpo, varying lengths: budget %s, high-water %s; %s", format_bytes(budget),
                 format_bytes(peak), stats.summary())  # fmt: skip
