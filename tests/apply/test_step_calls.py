@@ -161,3 +161,16 @@ def test_a_two_call_plan_applied_alone_learns_both_calls_and_holds_the_budget(pe
         peaks = [peak_and_grads(model, _two_calls(model), seed)[0] for seed in range(3)]
     assert all(p <= budget for p in peaks), (peaks, budget)
     assert guard_of(model).active.describe() == "(8,32):int64 then (8,48):int64"
+
+
+def test_an_unforeseen_combination_no_plan_fits_is_said_and_the_next_step_still_runs():
+    model = _gpt()
+    with pytest.raises(gradckpt.BudgetError) as least:
+        gradckpt.plan(model, _two_calls(model, 16, 16), 1)
+    gradckpt.fit(model, _two_calls(model, 16, 16), least.value.least_peak_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _two_calls(model, 16, 48)().backward()  # its second call far longer
+        _two_calls(model, 16, 16)().backward()  # the next step: not refused for it
+    said = [str(w.message) for w in caught if "did not foresee" in str(w.message)]
+    assert len(said) == 1 and "No plan fits it" in said[0]
