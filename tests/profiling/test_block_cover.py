@@ -22,7 +22,7 @@ from gradckpt.profiling import find_blocks, profile
 from gradckpt.profiling.block_cover import COVER_SHARE, nested, settle_nested, written_by_module
 from gradckpt.profiling.units import block_candidates
 from gradckpt.testing import ZOO, make
-from gradckpt.testing.wild import WILD, wild
+from gradckpt.testing.wild import WILD, torchtitan_sac, wild
 
 
 class Linear(nn.Linear):
@@ -135,3 +135,22 @@ def test_hugging_face_models_keep_their_decoder_and_encoder_layers(name):
 
     ex = hf_example(name, layers=2, hidden=32, heads=2, seq=16, batch=2, vocab=64)
     assert _settled(ex) == ex.block_paths
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fit_at_the_peak_of_torchtitans_selective_checkpointing_holds_it(peak_and_grads):
+    ex = wild("titan_llama", layers=4, dim=64, seq=128, batch=2)
+    plain_peak, plain_grads = peak_and_grads(ex.model, ex.loss_fn)
+    modules = dict(ex.model.named_modules())
+    for path in ex.block_paths:
+        modules[path].forward = torchtitan_sac(modules[path].forward)
+    try:
+        budget, sac_grads = peak_and_grads(ex.model, ex.loss_fn)
+    finally:
+        for path in ex.block_paths:
+            modules[path].__dict__.pop("forward")
+    assert budget < plain_peak and all(torch.equal(sac_grads[k], plain_grads[k]) for k in sac_grads)
+    gradckpt.fit(ex.model, ex.loss_fn, budget)
+    peak, grads = peak_and_grads(ex.model, ex.loss_fn)
+    assert peak <= budget, (peak, budget)
+    assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)
