@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from gradckpt.engine import dynamo
@@ -110,8 +109,9 @@ class UnitSpec:
         """Run the unit inside a region (forward or recompute): the same way both times."""
         return call_in_region(self, args, kwargs)
 
-    def buffers(self) -> list[torch.Tensor]:
-        return list(self.module.buffers())
+    def modules(self) -> tuple[nn.Module]:
+        """The module whose buffers the unit may write (a region's ``state``)."""
+        return (self.module,)
 
     def __getstate__(self) -> dict[str, Any]:
         # A compiled body closes over the original module: a copy (deepcopy,

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradckpt.engine import dynamo
 from gradckpt.engine.frame import Frame
 from gradckpt.engine.holders import in_region_forward
+from gradckpt.engine.writes import module_state
 
 __all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
 
@@ -128,6 +129,10 @@ def run_checkpointed(
         call_args, call_kwargs = tree_unflatten(inputs, spec)
         return fn(*call_args, **call_kwargs)
 
+    if "state" not in options:
+        # A module's buffers are what it may write: known, they let the region
+        # recompute without a dispatch mode (gradckpt.engine.writes).
+        options["state"] = module_state(fn)
     frame = Frame(body, name=name or getattr(fn, "__name__", type(fn).__name__), **options)
     frame.save_inputs(flat)
     with frame.forward():
