@@ -123,11 +123,19 @@ def run_checkpointed(
         # Nothing is saved under no_grad; inside another region's forward the
         # enclosing region recomputes this one anyway.
         return fn(*args, **kwargs)
-    flat, spec = tree_flatten((args, kwargs))
+    if not kwargs and all(_is_leaf(a) for a in args):
+        # The common call, block(x): pytree's walk costs more than the rest of the entry.
+        flat = list(args)
 
-    def body(inputs: list[Any]) -> Any:
-        call_args, call_kwargs = tree_unflatten(inputs, spec)
-        return fn(*call_args, **call_kwargs)
+        def body(inputs: list[Any]) -> Any:
+            return fn(*inputs)
+
+    else:
+        flat, spec = tree_flatten((args, kwargs))
+
+        def body(inputs: list[Any]) -> Any:
+            call_args, call_kwargs = tree_unflatten(inputs, spec)
+            return fn(*call_args, **call_kwargs)
 
     if "state" not in options:
         # A module's buffers are what it may write: known, they let the region
@@ -137,6 +145,14 @@ def run_checkpointed(
     frame.save_inputs(flat)
     with frame.forward():
         return fn(*args, **kwargs)
+
+
+_LEAF_TYPES = (int, float, bool, str, type(None))
+
+
+def _is_leaf(x: Any) -> bool:
+    """A value pytree would not walk into: a tensor or a plain scalar."""
+    return isinstance(x, torch.Tensor) or type(x) in _LEAF_TYPES
 
 
 def checkpoint_sequential(

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
+from torch.utils._device import DeviceContext
 
 from gradckpt.engine.host_rng import NUMPY, PYTHON
 
@@ -70,12 +72,8 @@ def _autocast_settings(device_type: str) -> tuple[bool, torch.dtype, bool] | Non
 
 
 def _current_device_context() -> Any:
-    try:
-        from torch.overrides import _get_current_function_mode_stack
-        from torch.utils._device import DeviceContext
-    except ImportError:  # pragma: no cover - older torch
-        return None
-    for mode in reversed(_get_current_function_mode_stack()):
+    """The innermost ``torch.device(...)`` context in force, or None."""
+    for mode in reversed(_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return mode
     return None
@@ -105,24 +103,38 @@ class ReplayState:
         """Run the recompute under the forward's RNG, autocast and device context."""
         with contextlib.ExitStack() as stack:
             if self.preserve_rng:
-                # fork_rng forks nothing, not even the CPU RNG, for device_type
-                # "meta" (a meta tensor among the inputs): restore the CPU RNG here.
-                stack.callback(torch.set_rng_state, torch.get_rng_state())
-                stack.enter_context(
-                    torch.random.fork_rng(devices=self.devices, device_type=self.device_type)
-                )
-                torch.set_rng_state(self.cpu_rng)
-                module = _device_module(self.device_type)
-                for device, state in zip(self.devices, self.device_rngs):
-                    module.set_rng_state(state, device)
-                self._replay_host_rngs(stack)
-            for device_type, (enabled, dtype, cache) in self.autocast.items():
-                stack.enter_context(
-                    torch.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
-                )
+                self._replay_rngs(stack)
+            for device_type, settings in self.autocast.items():
+                # Entered only where it differs now (a recompute in backward runs
+                # outside the forward's autocast): the same settings either way.
+                if _autocast_settings(device_type) != settings:
+                    enabled, dtype, cache = settings
+                    stack.enter_context(
+                        torch.autocast(
+                            device_type, enabled=enabled, dtype=dtype, cache_enabled=cache
+                        )
+                    )
             if self.device_context is not None:
                 stack.enter_context(self.device_context)
             yield
+
+    def _replay_rngs(self, stack: contextlib.ExitStack) -> None:
+        # The forward's streams for the recompute; the caller's go back after it
+        # (what torch.random.fork_rng does, without its second CPU state copy).
+        cpu_now = torch.get_rng_state()
+        module = _device_module(self.device_type)
+        device_now = [module.get_rng_state(d) for d in self.devices]
+
+        def restore() -> None:
+            torch.set_rng_state(cpu_now)
+            for device, state in zip(self.devices, device_now):
+                module.set_rng_state(state, device)
+
+        stack.callback(restore)
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in zip(self.devices, self.device_rngs):
+            module.set_rng_state(state, device)
+        self._replay_host_rngs(stack)
 
     def _replay_host_rngs(self, stack: contextlib.ExitStack) -> None:
         # The caller's streams go back once the recompute ends.
