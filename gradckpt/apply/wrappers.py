@@ -54,6 +54,7 @@ from gradckpt.apply.specs import (
     segment_error,
 )
 from gradckpt.engine import dynamo
+from gradckpt.engine.decisions import Keep
 from gradckpt.engine.holders import CheckpointError, active_frame
 
 __all__ = [
@@ -79,9 +80,17 @@ class UnitForward:
     and ``torch.save`` give a model whose wrappers run *its* modules.
     """
 
-    def __init__(self, unit: UnitSpec, units: dict[str, UnitSpec]) -> None:
+    passthrough = False  # (what a wrapper pickled before the attribute existed reads)
+
+    def __init__(
+        self, unit: UnitSpec, units: dict[str, UnitSpec], segmented: bool | None = None
+    ) -> None:
         self.unit = unit
         self.units = units
+        if segmented is None:
+            segmented = any(u.segments for u in units.values())
+        # A kept unit of a plan without segments runs plainly wherever it is called.
+        self.passthrough = type(unit.decision) is Keep and not segmented
         self.shape_checked = False
         self.root: RootGuard | None = None  # the model's guard, when the plan has segments
         self.active = True  # False once removed while another wrapper still calls this one
@@ -93,6 +102,13 @@ class UnitForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         unit = self.unit
         if not self.active:
+            return unit.plain(*args, **kwargs)
+        if self.passthrough and unit.compiled is None:
+            # A kept unit where no segment can be open runs plainly on every path of
+            # run() (in a region's forward or recompute, without grad, traced): only
+            # its shape check is left, so the plan costs nothing per call beyond it.
+            if unit.expected_shape is not None and not dynamo.is_compiling():
+                _check_unit_shape(self, args, kwargs)
             return unit.plain(*args, **kwargs)
         if dynamo.is_compiling():
             # Traced by Dynamo: a kept unit compiles with its caller; anything
@@ -150,9 +166,12 @@ class OpaqueUnitForward(UnitForward):
     """A :class:`UnitForward` whose call Dynamo does not trace (see ``prepare_for_compile``)."""
 
 
-def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> UnitForward:
-    """The ``forward`` installed on ``unit.module``."""
-    return UnitForward(unit, units)
+def make_wrapper(
+    unit: UnitSpec, units: dict[str, UnitSpec], segmented: bool | None = None
+) -> UnitForward:
+    """The ``forward`` installed on ``unit.module`` (``segmented``: the plan has segments;
+    None works it out from ``units``)."""
+    return UnitForward(unit, units, segmented)
 
 
 def _first_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:

@@ -1,0 +1,56 @@
+"""Kept units cost nothing per call: where no segment can be open, their wrapper calls the plain forward.
+
+On short ops (a GPU's regime) every microsecond a wrapper spends per unit call
+shows in the step; a kept unit of a plan without segments runs its plain
+forward on every path, so its wrapper goes there straight (issue #42). Where
+the plan has segments, kept units still take the full path: a segment's
+region checks that its units run in the planned order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradckpt
+from gradckpt.apply.wrappers import UnitForward
+from gradckpt.engine import CheckpointError
+from gradckpt.planning import Plan, Segment, UnitChoice
+from gradckpt.profiling import model_fingerprint
+from gradckpt.testing import make
+
+
+def _refuse_full_path(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{self.unit.path} took the full wrapper path")
+
+    monkeypatch.setattr(UnitForward, "run", refuse)
+
+
+def test_a_keep_everything_plan_runs_no_wrapper_logic_and_the_plain_gradients(monkeypatch):
+    ex = make("gpt", layers=2)
+    torch.manual_seed(0)
+    ex.loss_fn().backward()
+    plain = {n: p.grad.clone() for n, p in ex.model.named_parameters()}
+    ex.model.zero_grad(set_to_none=True)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=1.0, measure_candidates=0)
+    assert all(u.mode == "keep" for u in plan.units)
+    _refuse_full_path(monkeypatch)
+    torch.manual_seed(0)
+    ex.loss_fn().backward()
+    assert all(torch.equal(p.grad, plain[n]) for n, p in ex.model.named_parameters())
+    gradckpt.remove(ex.model)
+
+
+def test_kept_units_of_a_plan_with_segments_still_check_the_planned_order(monkeypatch):
+    ex = make("unet")
+    items = (
+        UnitChoice("down.0"), UnitChoice("down.1"),
+        Segment((UnitChoice("down.2"), UnitChoice("up.0"))),
+        UnitChoice("bottleneck"), UnitChoice("up.1"), UnitChoice("up.2"), UnitChoice("out"),
+    )  # fmt: skip
+    gradckpt.apply(ex.model, Plan(items, model_fingerprint(ex.model)))
+    assert not ex.model.bottleneck.forward.passthrough
+    with pytest.raises(CheckpointError, match="planned order"):
+        ex.loss_fn()  # the kept bottleneck runs inside the open segment
+    gradckpt.remove(ex.model)
