@@ -43,11 +43,28 @@ def fsdp_sharded(module: nn.Module) -> str | None:
     its last unit's backward) cannot rerun it. Recognized by class name, so
     ``torch.distributed`` is never imported here.
     """
-    for path, m in module.named_modules():
-        for cls in type(m).__mro__:
-            if cls.__name__ in _FSDP_CLASSES and cls.__module__.startswith("torch.distributed"):
-                return path
-    return None
+    stack = [module]
+    while stack:  # a plain walk first: segments run this at every forward
+        m = stack.pop()
+        if _sharding_class(type(m)):
+            break
+        stack.extend(c for c in m._modules.values() if c is not None)
+    else:
+        return None
+    return next(path for path, m in module.named_modules() if _sharding_class(type(m)))
+
+
+_SHARDING: dict[type, bool] = {}  # module class -> whether it is (a subclass of) FSDP's
+
+
+def _sharding_class(cls: type) -> bool:
+    found = _SHARDING.get(cls)
+    if found is None:
+        found = _SHARDING[cls] = any(
+            c.__name__ in _FSDP_CLASSES and c.__module__.startswith("torch.distributed")
+            for c in cls.__mro__
+        )
+    return found
 
 
 def segment_error(name: str, path: str) -> str:

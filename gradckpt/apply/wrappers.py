@@ -136,9 +136,10 @@ class UnitForward:
                     segment.end(exc)
                 raise
             if segment is not None:
-                segment.note_output(out)
                 if segment.segment.paths[-1] == unit.path:
-                    segment.end()
+                    segment.end()  # no unit follows: nothing to hand over, nothing to note
+                else:
+                    segment.note_output(out)
             return out
         if unit.expected_shape is not None:
             _check_unit_shape(self, args, kwargs)
