@@ -80,7 +80,9 @@ class UnitForward:
     and ``torch.save`` give a model whose wrappers run *its* modules.
     """
 
-    passthrough = False  # (what a wrapper pickled before the attribute existed reads)
+    # (what a wrapper pickled before these attributes existed reads)
+    passthrough = False
+    segmented = True
 
     def __init__(
         self, unit: UnitSpec, units: dict[str, UnitSpec], segmented: bool | None = None
@@ -89,8 +91,10 @@ class UnitForward:
         self.units = units
         if segmented is None:
             segmented = any(u.segments for u in units.values())
-        # A kept unit of a plan without segments runs plainly wherever it is called.
-        self.passthrough = type(unit.decision) is Keep and not segmented
+        # A kept unit outside every segment runs plainly wherever it is called, unless a
+        # segment is open around the call (then it is out of the planned order).
+        self.passthrough = type(unit.decision) is Keep and not unit.segments
+        self.segmented = segmented
         self.shape_checked = False
         self.root: RootGuard | None = None  # the model's guard, when the plan has segments
         self.active = True  # False once removed while another wrapper still calls this one
@@ -103,10 +107,14 @@ class UnitForward:
         unit = self.unit
         if not self.active:
             return unit.plain(*args, **kwargs)
-        if self.passthrough and unit.compiled is None:
-            # A kept unit where no segment can be open runs plainly on every path of
-            # run() (in a region's forward or recompute, without grad, traced): only
-            # its shape check is left, so the plan costs nothing per call beyond it.
+        if (
+            self.passthrough
+            and unit.compiled is None
+            and (not self.segmented or open_segment(active_frame()) is None)
+        ):
+            # A kept unit where no segment is open runs plainly on every path of run()
+            # (in a region's forward or recompute, without grad, traced): only its shape
+            # check is left, so the plan costs nothing per call beyond it.
             if unit.expected_shape is not None and not dynamo.is_compiling():
                 _check_unit_shape(self, args, kwargs)
             return unit.plain(*args, **kwargs)

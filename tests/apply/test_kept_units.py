@@ -50,7 +50,35 @@ def test_kept_units_of_a_plan_with_segments_still_check_the_planned_order(monkey
         UnitChoice("bottleneck"), UnitChoice("up.1"), UnitChoice("up.2"), UnitChoice("out"),
     )  # fmt: skip
     gradckpt.apply(ex.model, Plan(items, model_fingerprint(ex.model)))
-    assert not ex.model.bottleneck.forward.passthrough
     with pytest.raises(CheckpointError, match="planned order"):
         ex.loss_fn()  # the kept bottleneck runs inside the open segment
+    gradckpt.remove(ex.model)
+
+
+def test_kept_units_outside_an_open_segment_skip_the_wrapper_logic(monkeypatch):
+    ex = make("gpt", layers=4)
+    torch.manual_seed(0)
+    ex.loss_fn().backward()
+    plain = {n: p.grad.clone() for n, p in ex.model.named_parameters()}
+    ex.model.zero_grad(set_to_none=True)
+    items = (
+        *(UnitChoice(p) for p in ("tok_emb", "pos_emb", "blocks.0", "blocks.1")),
+        Segment((UnitChoice("blocks.2"), UnitChoice("blocks.3"))),
+        UnitChoice("ln_f"),
+        UnitChoice("lm_head"),
+    )
+    gradckpt.apply(ex.model, Plan(items, model_fingerprint(ex.model)))
+    full = []
+    run = UnitForward.run
+
+    def counted(self, *args, **kwargs):
+        full.append(self.unit.path)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(UnitForward, "run", counted)
+    torch.manual_seed(0)
+    ex.loss_fn().backward()
+    # Only the segment's units (and their replay in its recompute) take the full path.
+    assert set(full) == {"blocks.2", "blocks.3"}
+    assert all(torch.equal(p.grad, plain[n]) for n, p in ex.model.named_parameters())
     gradckpt.remove(ex.model)
