@@ -192,6 +192,10 @@ class Profile:
     #: When block discovery found no repeated blocks: what it considered and how to name
     #: them (``blocks=``), for the message of a budget no plan meets; "" otherwise.
     blocks_note: str = ""
+    #: A fake profile for another device than this machine's CPU: the host's time per
+    #: op it assumed, the least any op costs there (0: none assumed; see
+    #: :func:`gradckpt.profiling.fake.with_estimated_times`).
+    host_op_seconds: float = 0.0
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -248,6 +252,7 @@ class Profile:
             floor_bytes=data.get("floor_bytes", 0),
             step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
             blocks_note=data.get("blocks_note", ""),
+            host_op_seconds=data.get("host_op_seconds", 0.0),
             version=data["version"],
         )
 

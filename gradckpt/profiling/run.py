@@ -75,6 +75,7 @@ def profile(
     fake: bool = False,
     device: str | torch.device | None = None,
     answer_scalars: bool = False,
+    host_op_seconds: float | None = None,
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
@@ -104,6 +105,10 @@ def profile(
             (``.item()``) with placeholders instead of failing
             (:class:`~gradckpt.profiling.fake.AnsweredScalars`): for callers that
             check the plan on real steps.
+        host_op_seconds: with ``fake`` on a device other than the CPU (a GPU), the
+            host's time to issue one op, the least an op costs there (default: this
+            machine's per-op time on tiny ops, measured; the profile and its plans
+            state it). Short-op models are bound by it on a GPU.
 
     The model is profiled inside every registered adapter's preparation
     (:mod:`gradckpt.profiling.adapters`): the API, ``explain`` and the CLI all
@@ -122,7 +127,9 @@ def profile(
     # One profile at a time per process: torch's profiler and the RNG resets
     # between passes are process-wide (gradckpt.measure.exclusive).
     with MEASURING, adapters.preparing(model, fake=fake):
-        return _profile_prepared(model, loss_fn, blocks, repeats, fake, device, answer_scalars)
+        return _profile_prepared(
+            model, loss_fn, blocks, repeats, fake, device, answer_scalars, host_op_seconds
+        )
 
 
 def _profile_prepared(
@@ -133,6 +140,7 @@ def _profile_prepared(
     fake: bool,
     device: str | torch.device | None,
     answer_scalars: bool = False,
+    host_op_seconds: float | None = None,
 ) -> Profile:
     found = find_blocks(model, blocks)
     guard = StepState(model)
@@ -160,7 +168,8 @@ def _profile_prepared(
                 guard.reset()
                 passes = [run_pass(units, loss_fn, guard, plain=True)]
             fake_profile = assemble(model, units, forward_only, passes, 0.0)
-            return replace(with_estimated_times(fake_profile, where), blocks_note=note)
+            timed = with_estimated_times(fake_profile, where, host_op_seconds)
+            return replace(timed, blocks_note=note)
         where = device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
             units, note = discovered()
