@@ -259,7 +259,10 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        verdict = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        # Where Dynamo watches no frame, the plain check (its disabled wrapper costs
+        # as much as it does).
+        check = self.check if dynamo.frames_watched() else shape_guard.check
+        verdict = check(self.forward, args, kwargs)  # [shapes #9] may switch plans
         learning = verdict if isinstance(verdict, shape_guard.Learning) else None
         if verdict is not None and learning is None and verdict is not self:
             return verdict(*args, **kwargs)  # the new plan's root runs this call
