@@ -64,9 +64,10 @@ SPEEDS = {
 }
 
 
-def estimate_time(flops: int, nbytes: int, speed: DeviceSpeed) -> float:
-    """Seconds for an op doing ``flops`` and writing ``nbytes`` (reads are of the same order)."""
-    return max(flops / speed.flops_per_s, 2 * nbytes / speed.bytes_per_s)
+def estimate_time(flops: int, nbytes: int, speed: DeviceSpeed, host: float = 0.0) -> float:
+    """Seconds for an op doing ``flops`` and writing ``nbytes`` (reads are of the same order),
+    and at least ``host``, the host's time to issue it (see :func:`with_estimated_times`)."""
+    return max(host, flops / speed.flops_per_s, 2 * nbytes / speed.bytes_per_s)
 
 
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -218,9 +219,8 @@ def with_estimated_times(
     ops = tuple(
         replace(
             op,
-            time=max(
-                host,
-                estimate_time(op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed),
+            time=estimate_time(
+                op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed, host
             ),
         )
         for op in prof.ops

@@ -60,3 +60,24 @@ def test_a_plan_from_it_states_the_assumption_and_keeps_it_through_json(fake_cpu
     assert Plan.load(path).host_op_seconds == 5e-6
     measured = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0)
     assert measured.host_op_seconds is None and "host time per op" not in measured.summary()
+
+
+def test_profiles_rescaled_in_length_keep_the_host_time(fake_cpu):
+    from fractions import Fraction
+
+    from gradckpt.planning.solving.rescale import LengthScaling
+
+    _, prof = fake_cpu
+    gpu = with_estimated_times(prof, CUDA, host_op_seconds=8e-6)
+
+    def constant(n: int) -> tuple[Fraction, Fraction, Fraction]:
+        return (Fraction(n), Fraction(0), Fraction(0))
+
+    scaling = LengthScaling(
+        gpu, (32,), tuple(constant(s.nbytes) for s in gpu.storages),
+        tuple(constant(op.flops) for op in gpu.ops),
+    )  # fmt: skip
+    at = scaling.at(64)
+    assert at is not None and at.host_op_seconds == 8e-6
+    assert min(op.time for op in at.ops) == pytest.approx(8e-6)
+    assert at.step_time == pytest.approx(gpu.step_time)  # the same sizes: the same times

@@ -220,7 +220,10 @@ def _timeless(profile: Profile) -> Profile:
         replace(
             op,
             time=estimate_time(
-                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+                op.flops,
+                sum(profile.storages[s].nbytes for s in op.outputs),
+                speed,
+                profile.host_op_seconds,
             ),
         )
         for op in profile.ops
