@@ -233,18 +233,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def short_ops(args) -> int:
-    """``--short-ops``: every config of :mod:`benchmarks.engine_shortops`, one report."""
+    """``--short-ops``: every config of :mod:`benchmarks.engine_shortops`, one report
+    (``--from-json``: re-rendered from an earlier run's JSON, nothing measured)."""
     from benchmarks import engine_shortops as shortops
 
-    configs = shortops.QUICK if args.quick else shortops.CONFIGS
-    clock = RunClock.start()
-    sections, data = shortops.main_sections(
-        configs, device="cpu", warmup=max(args.warmup, 2), repeats=args.repeats, seed=args.seed
-    )
-    info = machine_info(
-        model="gpt (gradckpt.testing)", warmup=max(args.warmup, 2), repeats=args.repeats,
-        seed=args.seed, quick=args.quick, clock="thread CPU time", **clock.info(),
-    )  # fmt: skip
+    if args.from_json is not None:
+        saved = read_results(args.from_json)
+        info, data = saved["info"], saved["configs"]
+        sections = [shortops.report(name, config)[0] for name, config in data.items()]
+    else:
+        configs = shortops.QUICK if args.quick else shortops.CONFIGS
+        clock = RunClock.start()
+        warmup = max(args.warmup, 2)
+        sections, data = shortops.main_sections(
+            configs, device="cpu", warmup=warmup, repeats=args.repeats, seed=args.seed
+        )
+        info = machine_info(
+            model="gpt (gradckpt.testing)", warmup=warmup, repeats=args.repeats,
+            seed=args.seed, quick=args.quick, clock="thread CPU time", **clock.info(),
+        )  # fmt: skip
     md = "\n\n".join(
         [
             f"# Engine benchmark where ops are short (a GPU's regime), CPU ({info['date']})",
@@ -256,7 +263,7 @@ def short_ops(args) -> int:
         ]
     )
     md_path, json_path = write_results(
-        args.out, "engine-shortops", md, {"info": info, "configs": data}
+        args.out, "engine-shortops", md, {"info": info, "configs": data}, info["date"]
     )
     print(md)
     print(f"\nwrote {md_path} and {json_path}")
