@@ -40,6 +40,7 @@ from gradckpt.apply.guard_routing import (
     ShapeError,
     ShapeGuard,
     ShapeStats,
+    quick_sig,
 )
 from gradckpt.planning.plans.call_key import as_written
 from gradckpt.profiling.adapters import Adapter, register_adapter
@@ -52,6 +53,7 @@ __all__ = [
     "ShapeError",
     "ShapeGuard",
     "ShapeStats",
+    "armed",
     "check",
     "finish",
     "forget",
@@ -60,6 +62,7 @@ __all__ = [
     "install",
     "learning",
     "paused",
+    "quick_sig",
     "shape_stats",
 ]
 
@@ -151,6 +154,31 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
     return model.__dict__.get("forward")
+
+
+def armed(forward: Any, args: tuple, kwargs: dict) -> tuple[Any, ShapeGuard, Any] | None:
+    """After a call :func:`check` let run: what lets the next call with the same
+    plain tensors and values skip the check, ``(signature, guard, active key)``; None
+    where there is nothing to skip by (no guard, a call the quick signature cannot read).
+
+    The root wrapper keeps it and compares the next call's :func:`quick_sig` with it
+    (and the guard's active key with the one kept, so a switch ends it): on short
+    steps, reaching the guard and building the call's key cost more than the rest of
+    the root wrapper's work per call.
+
+    Example:
+        >>> kept = armed(model.forward, (x,), {})
+        >>> kept[0] == quick_sig((x,), {})
+        True
+    """
+    model = getattr(forward, "__self__", None)
+    guard = model.__dict__.get(_ATTR) if isinstance(model, nn.Module) else None
+    if not isinstance(guard, ShapeGuard) or guard._seen is None:
+        return None
+    quick = quick_sig(args, as_written(model, kwargs))
+    if quick is None or guard._seen != (quick, guard.active):
+        return None
+    return quick, guard, guard.active
 
 
 def shape_stats(model: nn.Module) -> ShapeStats | None:

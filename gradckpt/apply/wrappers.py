@@ -55,7 +55,7 @@ from gradckpt.apply.specs import (
 )
 from gradckpt.engine import dynamo
 from gradckpt.engine.decisions import Keep
-from gradckpt.engine.holders import CheckpointError, active_frame
+from gradckpt.engine.holders import CheckpointError, active_frame, region_stack
 
 __all__ = [
     "PlanPolicy",
@@ -234,6 +234,9 @@ class RootGuard:
     # check, which may plan a new shape, must run eagerly.
     check = staticmethod(shape_guard.check)
     finish = staticmethod(shape_guard.finish)
+    #: What lets a call with the last checked call's shapes skip the check
+    #: (:func:`gradckpt.apply.guard.armed`); never copied or pickled.
+    armed: tuple | None = None
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
@@ -259,10 +262,26 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        # Where Dynamo watches no frame, the plain check (its disabled wrapper costs
-        # as much as it does).
-        check = self.check if dynamo.frames_watched() else shape_guard.check
-        verdict = check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        kept = self.armed
+        if (
+            kept is not None
+            and kept[1].active is kept[2]
+            and shape_guard.quick_sig(args, kwargs) == kept[0]
+            and not dynamo.frames_watched()
+        ):
+            # The shapes of the last checked call, and its plan still active: nothing to
+            # switch or plan (the guard's own check says so, at many times the cost).
+            if torch.is_grad_enabled():
+                kept[1].calls += 1  # a guarded call, as the check counts them
+            verdict = None
+        else:
+            # Where Dynamo watches no frame, the plain check (its disabled wrapper costs
+            # as much as it does).
+            check = self.check if dynamo.frames_watched() else shape_guard.check
+            verdict = check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+            self.armed = (
+                shape_guard.armed(self.forward, args, kwargs) if verdict is None else None
+            )
         learning = verdict if isinstance(verdict, shape_guard.Learning) else None
         if verdict is not None and learning is None and verdict is not self:
             return verdict(*args, **kwargs)  # the new plan's root runs this call
@@ -281,7 +300,7 @@ class RootGuard:
             roots.pop()
             if learning is not None:  # the units checked this call's shapes: the guard learns
                 self.finish(learning, completed)
-            if _close_segments_above(depth, None):
+            if len(region_stack()) > depth and _close_segments_above(depth, None):
                 raise CheckpointError(
                     "gradckpt: a planned segment was still open when the forward returned; "
                     "the forward did not call the segment's units in the planned order. "
@@ -337,16 +356,12 @@ def _running(root: RootGuard | None) -> bool:
 
 
 def _stack_depth() -> int:
-    from gradckpt.engine.holders import region_stack as _stack
-
-    return len(_stack())
+    return len(region_stack())
 
 
 def _close_segments_above(depth: int, exc: BaseException | None) -> bool:
-    from gradckpt.engine.holders import region_stack as _stack
-
     closed = False
-    stack = _stack()
+    stack = region_stack()
     while len(stack) > depth:
         frame, gid = stack[-1]
         if gid is not None or not isinstance(frame, SegmentFrame):

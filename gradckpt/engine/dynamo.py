@@ -56,9 +56,7 @@ def frames_watched() -> bool:
         return False
     if torch.compiler.is_compiling():
         return True
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
-    return get_eval_frame_callback() not in (None, False)
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 def opaque(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
