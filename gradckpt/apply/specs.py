@@ -9,6 +9,7 @@ attribute ``forward`` (which is the wrapper itself).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,8 @@ def fsdp_sharded(module: nn.Module) -> str | None:
     its last unit's backward) cannot rerun it. Recognized by class name, so
     ``torch.distributed`` is never imported here.
     """
+    if not _sharding_possible():
+        return None
     stack = [module]
     while stack:  # a plain walk first: segments run this at every forward
         m = stack.pop()
@@ -52,6 +55,12 @@ def fsdp_sharded(module: nn.Module) -> str | None:
     else:
         return None
     return next(path for path, m in module.named_modules() if _sharding_class(type(m)))
+
+
+def _sharding_possible() -> bool:
+    """FSDP shards only within an initialized process group: without one, nothing to walk."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 _SHARDING: dict[type, bool] = {}  # module class -> whether it is (a subclass of) FSDP's
