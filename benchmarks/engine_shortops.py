@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from benchmarks.harness import (
     torch_sac,
 )
 from gradckpt import policies
+from gradckpt.measure import time_interleaved
 from gradckpt.planning.planner import Planner
 from gradckpt.testing import Example, make
 
@@ -143,34 +143,28 @@ def toggled_fit(
         m: m.__dict__["forward"] for m in example.model.modules() if "forward" in m.__dict__
     }
     step = make_step(example, seed)
-    clock = clock or time.perf_counter
 
-    def timed() -> float:
-        if sync is not None:
-            sync()
-        start = clock()
-        step()
-        if sync is not None:
-            sync()
-        return clock() - start
+    def as_plan(on: bool) -> Callable[[], None]:
+        def run() -> None:  # both pay the same dozen dict writes before their step
+            for module, forward in installed.items():
+                if on:
+                    module.__dict__["forward"] = forward
+                else:
+                    module.__dict__.pop("forward", None)
+            step()
 
-    times: dict[str, list[float]] = {"plain": [], "fit_plain": []}
+        return run
+
     try:
-        for i in range(rounds + 2):
-            for name in ("plain", "fit_plain") if i % 2 else ("fit_plain", "plain"):
-                for module, forward in installed.items():
-                    if name == "plain":
-                        module.__dict__.pop("forward", None)
-                    else:
-                        module.__dict__["forward"] = forward
-                t = timed()
-                if i >= 2:  # two warm-up rounds
-                    times[name].append(t)
+        timed = time_interleaved(
+            {"plain": as_plan(False), "fit_plain": as_plan(True)},
+            warmup=2, repeats=rounds, sync=sync, clock=clock,
+        )  # fmt: skip
     finally:
         for module, forward in installed.items():
             module.__dict__["forward"] = forward
         gradckpt.remove(example.model)
-    return times
+    return {name: list(t.times) for name, t in timed.items()}
 
 
 def run_config(

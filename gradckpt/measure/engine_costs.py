@@ -101,28 +101,21 @@ _ROUNDS, _STEPS = 5, 4
 _CACHE: dict[str, EngineCosts] = {}
 
 
-class _Adds(nn.Module):
-    """``k`` adds and a sine: a module, so its region recomputes lean."""
+class _Chain(nn.Module):
+    """``k`` tiny ops: a module, so its region recomputes lean.
 
-    def __init__(self, k: int) -> None:
+    Adds (autograd saves nothing for them) and a closing sine (one saved tensor:
+    the region has something to recompute), or ``k`` sines (each saves its input).
+    """
+
+    def __init__(self, k: int, *, sines: bool = False) -> None:
         super().__init__()
-        self.k = k
+        self.k, self.sines = k, sines
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(self.k):
-            x = x + 1.0  # autograd saves nothing for it
-        return x.sin()  # one saved tensor: the region has something to recompute
-
-
-class _Sines(nn.Module):
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k = k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.k):
-            x = x.sin()  # saves its input
-        return x
+            x = x.sin() if self.sines else x + 1.0
+        return x if self.sines else x.sin()
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -200,7 +193,7 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     where = torch.device(device)
     clock, sync = work_clock(where), _synchronizer(where)
     x = torch.ones(16, device=where, requires_grad=True)
-    short, long, sines = _Adds(_SHORT), _Adds(_LONG), _Sines(_LONG)
+    short, long, sines = _Chain(_SHORT), _Chain(_LONG), _Chain(_LONG, sines=True)
     cases = {}
     for label, fn in (("short", short), ("long", long), ("sines", sines)):
         for kind, step in _steps(fn, x).items():

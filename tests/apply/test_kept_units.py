@@ -27,18 +27,28 @@ def _refuse_full_path(monkeypatch):
     monkeypatch.setattr(UnitForward, "run", refuse)
 
 
-def test_a_keep_everything_plan_runs_no_wrapper_logic_and_the_plain_gradients(monkeypatch):
-    ex = make("gpt", layers=2)
+def _plain_grads(ex) -> dict[str, torch.Tensor]:
+    """The plain step's gradients (seeded), the model's grads cleared after."""
     torch.manual_seed(0)
     ex.loss_fn().backward()
-    plain = {n: p.grad.clone() for n, p in ex.model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in ex.model.named_parameters()}
     ex.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _same_grads(ex, plain: dict[str, torch.Tensor]) -> bool:
+    torch.manual_seed(0)
+    ex.loss_fn().backward()
+    return all(torch.equal(p.grad, plain[n]) for n, p in ex.model.named_parameters())
+
+
+def test_a_keep_everything_plan_runs_no_wrapper_logic_and_the_plain_gradients(monkeypatch):
+    ex = make("gpt", layers=2)
+    plain = _plain_grads(ex)
     plan = gradckpt.fit(ex.model, ex.loss_fn, budget=1.0, measure_candidates=0)
     assert all(u.mode == "keep" for u in plan.units)
     _refuse_full_path(monkeypatch)
-    torch.manual_seed(0)
-    ex.loss_fn().backward()
-    assert all(torch.equal(p.grad, plain[n]) for n, p in ex.model.named_parameters())
+    assert _same_grads(ex, plain)
     gradckpt.remove(ex.model)
 
 
@@ -57,10 +67,7 @@ def test_kept_units_of_a_plan_with_segments_still_check_the_planned_order(monkey
 
 def test_kept_units_outside_an_open_segment_skip_the_wrapper_logic(monkeypatch):
     ex = make("gpt", layers=4)
-    torch.manual_seed(0)
-    ex.loss_fn().backward()
-    plain = {n: p.grad.clone() for n, p in ex.model.named_parameters()}
-    ex.model.zero_grad(set_to_none=True)
+    plain = _plain_grads(ex)
     items = (
         *(UnitChoice(p) for p in ("tok_emb", "pos_emb", "blocks.0", "blocks.1")),
         Segment((UnitChoice("blocks.2"), UnitChoice("blocks.3"))),
@@ -76,9 +83,7 @@ def test_kept_units_outside_an_open_segment_skip_the_wrapper_logic(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(UnitForward, "run", counted)
-    torch.manual_seed(0)
-    ex.loss_fn().backward()
+    assert _same_grads(ex, plain)
     # Only the segment's units (and their replay in its recompute) take the full path.
     assert set(full) == {"blocks.2", "blocks.3"}
-    assert all(torch.equal(p.grad, plain[n]) for n, p in ex.model.named_parameters())
     gradckpt.remove(ex.model)
