@@ -186,8 +186,14 @@ def checkpoint_sequential(
     bounds = [round(i * len(functions) / segments) for i in range(segments + 1)]
 
     def run(start: int, stop: int) -> Callable[[torch.Tensor], Any]:
+        part = functions[start:stop]
+        if all(isinstance(f, nn.Module) for f in part):
+            # A module: its region knows the buffers it may write, so it recomputes
+            # lean (gradckpt.engine.writes); calling it calls each module as before.
+            return nn.Sequential(*part)
+
         def segment(x: Any) -> Any:
-            for f in functions[start:stop]:
+            for f in part:
                 x = f(x)
             return x
 

@@ -52,11 +52,20 @@ def _recompute_used_mode(call) -> bool:
         (lambda m, x: gradckpt.checkpoint(m, x), False),
         (lambda m, x: gradckpt.checkpoint(m.forward, x), False),
         (lambda m, x: gradckpt.checkpoint(m, x, policy=policies.recompute_all), False),
+        (lambda m, x: gradckpt.checkpoint_sequential([m, nn.Identity()], 2, x), False),
         (lambda m, x: gradckpt.checkpoint(lambda h: m(h), x), True),  # modules unknown
         (lambda m, x: gradckpt.checkpoint(m, x, policy=policies.save_matmuls), True),
         (lambda m, x: gradckpt.checkpoint(m, x, debug=True), True),
     ],
-    ids=["module", "method", "policy-keeps-nothing", "function", "keeps-outputs", "debug"],
+    ids=[
+        "module",
+        "method",
+        "policy-keeps-nothing",
+        "sequential",
+        "function",
+        "keeps-outputs",
+        "debug",
+    ],
 )
 def test_only_regions_that_need_per_op_work_recompute_under_the_mode(call, per_op):
     assert _recompute_used_mode(call) is per_op
