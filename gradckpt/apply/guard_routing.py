@@ -62,6 +62,30 @@ __all__ = ["POLICIES", "Planner", "Predictor", "ShapeError", "ShapeGuard", "Shap
 
 POLICIES = ("replan", "warn", "error")
 
+_PLAIN = (bool, int, float, str, type(None))
+_KEYS_KEPT = 64  # quick signatures remembered (a training run meets a few shapes)
+
+
+def quick_sig(args: tuple, kwargs: dict) -> tuple | None:
+    """What a call's key reads, where reading it is cheap: plain tensors and plain values.
+
+    Equal signatures mean equal keys (the key reads a tensor's shape, dtype and
+    whether it takes a gradient, and a plain value itself); None for a call with
+    anything else (containers, subclasses, objects), which gets its full key.
+    A step calls its model with the same shapes again and again: building the key
+    each time cost more than the rest of the guard's work per call.
+    """
+    parts = []
+    for value in (*args, *kwargs.values()):
+        if type(value) is torch.Tensor:
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        elif type(value) in _PLAIN:
+            parts.append((type(value), value))
+        else:
+            return None
+    return (tuple(kwargs), *parts) if kwargs else tuple(parts)
+
+
 #: The (args, kwargs) of each model call of one step -> a plan for that step's shapes.
 Planner = Callable[[list[tuple[tuple, dict]]], Plan]
 #: A plan's predicted peak at the shapes of one step's calls.
@@ -135,6 +159,9 @@ class ShapeGuard(StepRouting):
     owner: weakref.ref | None = None  # the model guarded (None: a copy, bound at its first call)
     _busy: threading.local = field(default_factory=threading.local)
     _steps: threading.local = field(default_factory=threading.local)  # .current: StepCalls
+    # Keys of recent calls by their quick signature: a call with the shapes of an earlier
+    # one has its key, without building it (see quick_sig). Cleared when it grows.
+    _keys: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -181,7 +208,14 @@ class ShapeGuard(StepRouting):
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
             return None  # eval, or our own profiling call of the model
         self.calls += 1
-        key = shape_key(args, kwargs)
+        quick = quick_sig(args, kwargs)
+        key = self._keys.get(quick) if quick is not None else None
+        if key is None:
+            key = shape_key(args, kwargs)
+            if quick is not None:
+                if len(self._keys) >= _KEYS_KEPT:
+                    self._keys.clear()
+                self._keys[quick] = key
         step = getattr(self._steps, "current", None)
         if step is None or step.ended:
             if step is not None:
