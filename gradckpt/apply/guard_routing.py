@@ -53,7 +53,7 @@ from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, start
 from gradckpt.apply.guard_steps import ShapeError, StepCalls, StepRouting, arm
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.plans.call_key import Key, ShapeKey, calls_of, shape_key
+from gradckpt.planning.plans.call_key import Key, ShapeKey, shape_key
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling.units import CALL_MARK
@@ -212,6 +212,9 @@ class ShapeGuard(StepRouting):
         key = self._keys.get(quick) if quick is not None else None
         if key is None:
             key = shape_key(args, kwargs)
+            self._name_unread(key)  # once per argument: a key read before was named then
+            if key == self.active:
+                key = self.active  # one object: the usual call is then found by identity
             if quick is not None:
                 if len(self._keys) >= _KEYS_KEPT:
                     self._keys.clear()
@@ -224,8 +227,6 @@ class ShapeGuard(StepRouting):
             step = self._steps.current = StepCalls()
         index = step.add(key, args, kwargs)
         try:
-            if self.calls == 1 or key != (self.active and calls_of(self.active)[0]):
-                self._name_unread(key)
             if index > 0:
                 self._later_call(step, index, key)
                 return None
@@ -245,10 +246,14 @@ class ShapeGuard(StepRouting):
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
             return
         step = getattr(self._steps, "current", None)
-        if step is not None and not step.ended and not arm(step, out):
+        # The step's first call: the step ends with the backward through its outputs.
+        if step is not None and len(step.keys) == 1 and not step.ended and not arm(step, out):
             step.drop_last()  # nothing to backpropagate: not a call of a training step
 
     def _first_call(self, key: ShapeKey, args: tuple, kwargs: dict) -> Learning | None:
+        active = self.active
+        if active is key and not self.interim and key not in self.preferred:
+            return None  # the plan in use began at this key (the usual call)
         chosen = self._plan_for_first(key)
         if chosen is not None:
             if chosen != self.active or self.interim:
