@@ -143,13 +143,14 @@ def plan_counts(
         >>> plan_counts(prof, regions, [(regions[0], regions[0].end_op)])
     """
     total = EngineCounts()
-    for region in tops:
-        total += EngineCounts(regions=1, policy_ops=_policy_ops(region))
+    for region in tops:  # a chunked region is entered once per slice
+        total += EngineCounts(regions=region.repeats, policy_ops=_policy_ops(region))
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
-            total += EngineCounts(regions=1, policy_ops=_policy_ops(child))
+            total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
         total += EngineCounts(
-            recompute_ops=max(0, stop - region.first_op), saved_tensors=len(region.packs)
+            recompute_ops=max(0, stop - region.first_op) * region.repeats,
+            saved_tensors=len(region.packs) * region.repeats,
         )
     return total
 
