@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradckpt.engine.chunking import chunked_cat, chunked_cross_entropy, token_slices
+from gradckpt.engine.chunking import LinearHead, chunked_cat, chunked_cross_entropy, token_slices
 from gradckpt.measure import AllocatorTracker
 
 N, H, V = 37, 16, 50  # 37 tokens: no chunk count below divides it
@@ -46,45 +46,56 @@ def test_token_slices_are_near_equal_and_cover_the_rows():
         token_slices(4, 0)
 
 
+def _as(kind: str, head: nn.Linear):
+    """The head as a module (autograd gathers its gradients) or a :class:`LinearHead`
+    (the chunked loss accumulates them in place)."""
+    return head if kind == "module" else LinearHead(head.weight, head.bias)
+
+
+@pytest.mark.parametrize("kind", ["module", "linear"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("chunks", [1, 3, 5, 8])
-def test_chunked_loss_and_grads_match_the_whole_in_fp32(reduction, smoothing, chunks):
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_chunked_loss_and_grads_match_the_whole_in_fp32(kind, reduction, smoothing, chunks):
     hidden, head, labels = _setup()
     ref = F.cross_entropy(head(hidden), labels, label_smoothing=smoothing, reduction=reduction)
     got = chunked_cross_entropy(
-        hidden, head, labels, chunks=chunks, label_smoothing=smoothing, reduction=reduction
-    )
+        hidden, _as(kind, head), labels, chunks=chunks, label_smoothing=smoothing,
+        reduction=reduction,
+    )  # fmt: skip
     assert got.shape == ref.shape and got.dtype == ref.dtype
     _close(got, ref)
     for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
         _close(g, r)
 
 
-def test_a_slice_with_no_counted_token_adds_nothing_and_the_mean_counts_all_slices():
+@pytest.mark.parametrize("kind", ["module", "linear"])
+def test_a_slice_with_no_counted_token_adds_nothing_and_the_mean_counts_all_slices(kind):
     hidden, head, labels = _setup()
     labels[:] = -100
     labels[20] = 3  # one counted token, in one slice of five
     ref = F.cross_entropy(head(hidden), labels)
-    got = chunked_cross_entropy(hidden, head, labels, chunks=5)
+    got = chunked_cross_entropy(hidden, _as(kind, head), labels, chunks=5)
     _close(got, ref)
     for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
         _close(g, r)
 
 
-def test_z_loss_is_the_mean_log_z_squared_over_counted_tokens():
+@pytest.mark.parametrize("kind", ["module", "linear"])
+def test_z_loss_is_the_mean_log_z_squared_over_counted_tokens(kind):
     hidden, head, labels = _setup()
     logits = head(hidden)
     counted = labels != -100
     z = torch.logsumexp(logits, -1)[counted].pow(2).mean()
     ref = F.cross_entropy(logits, labels) + 1e-4 * z
-    got = chunked_cross_entropy(hidden, head, labels, chunks=4, z_loss=1e-4)
+    got = chunked_cross_entropy(hidden, _as(kind, head), labels, chunks=4, z_loss=1e-4)
     _close(got, ref)
     for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
         _close(g, r)
 
 
-def test_bf16_head_upcast_to_fp32_stays_as_close_to_the_truth_as_plain_bf16():
+@pytest.mark.parametrize("kind", ["module", "linear"])
+def test_bf16_head_upcast_to_fp32_stays_as_close_to_the_truth_as_plain_bf16(kind):
     """bf16: the loss and the input's gradient within ``assert_close``'s defaults; the
     weight's gradient, rounded to bf16 once per slice as it accumulates, within its
     rtol (1.6e-2) as a whole tensor and at most 3x plain bf16's own error against fp32."""
@@ -97,7 +108,7 @@ def test_bf16_head_upcast_to_fp32_stays_as_close_to_the_truth_as_plain_bf16():
     head32.load_state_dict({k: v.float() for k, v in head16.state_dict().items()})
     truth = _grads(F.cross_entropy(head32(hidden32), labels), hidden32, head32)
     ref = F.cross_entropy(head16(hidden16).float(), labels)
-    got = chunked_cross_entropy(hidden16, head16, labels, chunks=4)
+    got = chunked_cross_entropy(hidden16, _as(kind, head16), labels, chunks=4)
     torch.testing.assert_close(got, ref)
     plain, chunked = _grads(ref, hidden16, head16), _grads(got, hidden16, head16)
     torch.testing.assert_close(chunked[0], plain[0])
@@ -137,8 +148,29 @@ def _peak(step) -> int:
     return allocator.peak_bytes
 
 
+def test_autocast_bf16_linear_head_stays_as_close_to_the_truth_as_plain_autocast():
+    """Under autocast the head's matmuls run in bf16 and its fp32 weight gathers one bf16
+    gradient per slice: the loss and input gradient as plain autocast's, the weight's
+    within bf16's rtol (1.6e-2) of the fp32 truth and at most 3x plain autocast's error."""
+    hidden, head, labels = _setup()
+    truth = _grads(F.cross_entropy(head(hidden), labels), hidden, head)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(head(hidden).float(), labels)
+    got = chunked_cross_entropy(
+        hidden, LinearHead(head.weight, head.bias), labels, chunks=3,
+        autocast=("cpu", torch.bfloat16),
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref)
+    plain, chunked = _grads(ref, hidden, head), _grads(got, hidden, head)
+    assert all(g.dtype == torch.float32 for g in chunked)
+    for t, p, c in zip(truth, plain, chunked):
+        err_p, err_c = ((g - t).norm().item() / t.norm().item() for g in (p, c))
+        assert err_c <= 1.6e-2 and err_c <= 3 * err_p, (err_c, err_p)
+
+
+@pytest.mark.parametrize("kind", ["module", "linear"])
 @pytest.mark.parametrize("trainable_head", [True, False])
-def test_chunked_peak_is_a_slice_of_the_logits_not_the_whole(trainable_head):
+def test_chunked_peak_is_a_slice_of_the_logits_not_the_whole(kind, trainable_head):
     torch.manual_seed(0)
     n, h, v = 1024, 64, 8000
     head = nn.Linear(h, v, bias=False).requires_grad_(trainable_head)
@@ -149,14 +181,16 @@ def test_chunked_peak_is_a_slice_of_the_logits_not_the_whole(trainable_head):
         x = x0.clone().requires_grad_()
         if chunks == 1:
             return lambda: F.cross_entropy(head(x), labels)
-        return lambda: chunked_cross_entropy(x, head, labels, chunks=chunks)
+        return lambda: chunked_cross_entropy(x, _as(kind, head), labels, chunks=chunks)
 
     plain = _peak(step(1))
     # The plain loss holds the logits, their log-softmax and its gradient at once.
     assert plain >= 3 * logits_bytes
-    weight_grad = v * h * 4 if trainable_head else 0  # one slice's, before it is accumulated
+    # The weight's gradient, and with autograd gathering it each slice's own before it is
+    # added (a LinearHead adds in place).
+    weight_grad = (2 if kind == "module" else 1) * v * h * 4 if trainable_head else 0
     for chunks in (4, 16):
         chunked = _peak(step(chunks))
         # What one slice holds at once (three slice-sized logits), the input's
-        # gradient and a weight gradient being accumulated; nothing of the whole logits.
+        # gradient and the weight's being accumulated; nothing of the whole logits.
         assert chunked <= 3 * logits_bytes / chunks + weight_grad + 2 * x0.numel() * 4 + (64 << 10)

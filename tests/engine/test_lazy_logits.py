@@ -72,6 +72,16 @@ def test_shifted_logits_and_label_smoothing(parts):
     _both(parts, loss)
 
 
+def test_flattened_halves_as_a_contrastive_step_reads_them(parts):
+    labels = parts[2]
+
+    def loss(lg):
+        halves = (lg[:1].flatten(0, 1), lg.narrow(0, 1, 1).flatten(0, 1))
+        return sum(F.cross_entropy(h, y.flatten()) for h, y in zip(halves, labels.split(1)))
+
+    _both(parts, loss)
+
+
 def test_log_softmax_then_nll_loss_is_cross_entropy(parts):
     labels = parts[2]
     _both(
@@ -86,6 +96,10 @@ def test_lazy_forms_never_compute_the_logits(parts, monkeypatch):
     monkeypatch.setattr(LazyLogits, "whole", lambda self: calls.append(self))
     derived = logits.float().view(-1, V)[3:].contiguous()
     assert isinstance(derived, LazyLogits) and derived.shape == (B * T - 3, V)
+    for view in (logits.flatten(0, 1), torch.flatten(logits, 0, 1), logits.narrow(1, 2, 4),
+                 logits[:, 1], logits.unsqueeze(0).squeeze(0)):  # fmt: skip
+        assert isinstance(view, LazyLogits), view
+    assert logits.flatten(0, 1).shape == (B * T, V) and logits.narrow(1, 2, 4).shape == (B, 4, V)
     assert logits.shape == (B, T, V) and logits.dtype == torch.float32 and logits.requires_grad
     assert "chunks=3" in repr(logits)
     F.cross_entropy(logits.view(-1, V), labels.view(-1))

@@ -8,6 +8,7 @@ The mechanism behind the ``Chunk`` decision: :func:`chunked_sum` and
 """
 
 from gradckpt.engine.chunking.cross_entropy import chunked_cross_entropy
+from gradckpt.engine.chunking.linear_loss import LinearHead
 from gradckpt.engine.chunking.slices import chunked_cat, chunked_sum, token_slices
 
-__all__ = ["chunked_cat", "chunked_cross_entropy", "chunked_sum", "token_slices"]
+__all__ = ["LinearHead", "chunked_cat", "chunked_cross_entropy", "chunked_sum", "token_slices"]

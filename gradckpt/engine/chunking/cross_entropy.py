@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gradckpt.engine.chunking.linear_loss import LinearHead, linear_cross_entropy_sum
 from gradckpt.engine.chunking.slices import chunked_cat, chunked_sum
 
 __all__ = ["REDUCTIONS", "chunked_cross_entropy", "slice_loss"]
@@ -53,13 +54,16 @@ class _SliceLoss:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.autocast is not None:
             with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
-                logits = self.head(hidden)
-        else:
-            logits = self.head(hidden)
-        return logits if self.upcast is None else logits.to(self.upcast)
+                return self.head(hidden)
+        return self.head(hidden)
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(hidden)
+        return self.from_logits(self.logits(hidden), labels)
+
+    def from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The slice's loss from its logits as the head returned them (upcast here)."""
+        if self.upcast is not None:
+            logits = logits.to(self.upcast)
         loss = F.cross_entropy(
             logits, labels, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, reduction="none" if self.per_token else "sum",
@@ -69,6 +73,18 @@ class _SliceLoss:
             z = torch.logsumexp(logits, dim=-1).pow(2) * (labels != self.ignore_index)
             loss = loss + self.z_loss * (z if self.per_token else z.sum())
         return loss
+
+
+def _loss_dtype(
+    head: LinearHead, rows: torch.Tensor, upcast: torch.dtype | None,
+    autocast: tuple[str, torch.dtype] | None,
+) -> torch.dtype:  # fmt: skip
+    """The dtype ``F.cross_entropy`` would return on the head's (upcast) logits."""
+    if upcast is not None:
+        return upcast
+    if autocast is not None:
+        return autocast[1]
+    return torch.result_type(rows, head.weight)
 
 
 def slice_loss(head: Callable[[torch.Tensor], torch.Tensor], **settings: Any) -> _SliceLoss:
@@ -94,7 +110,9 @@ def chunked_cross_entropy(
     Args:
         hidden: ``(..., H)`` states, one row per token (the leading dimensions are
             flattened: ``labels`` must have the same leading shape).
-        head: maps ``(n, H)`` to ``(n, V)`` logits row by row (an ``nn.Linear`` LM head).
+        head: maps ``(n, H)`` to ``(n, V)`` logits row by row (an ``nn.Linear`` LM head);
+            a :class:`LinearHead` (its weight and bias) has its backward done in
+            place, without a second weight gradient per slice.
         labels: class index per token; ``ignore_index`` tokens do not count.
         chunks: number of slices (near-equal; need not divide the token count).
         label_smoothing, ignore_index: as in ``F.cross_entropy``.
@@ -126,7 +144,11 @@ def chunked_cross_entropy(
     )  # fmt: skip
     if reduction == "none":
         return chunked_cat(fn, chunks, rows, flat, name="chunked_cross_entropy").view(labels.shape)
-    total = chunked_sum(fn, chunks, rows, flat, name="chunked_cross_entropy")
+    if isinstance(head, LinearHead):  # its backward done here: no second weight gradient
+        total = linear_cross_entropy_sum(rows, head, flat, chunks, fn)
+        total = total.to(_loss_dtype(head, rows, upcast, autocast))
+    else:
+        total = chunked_sum(fn, chunks, rows, flat, name="chunked_cross_entropy")
     if reduction == "sum":
         return total
     return total / (flat != ignore_index).sum()

@@ -7,9 +7,10 @@ vocabulary last (``.view(-1, V)``), ``.contiguous()``, indexing of the token
 dimensions (``logits[:, :-1]``) and ``F.log_softmax(.., -1)`` give another such
 tensor, and ``F.cross_entropy`` / ``F.nll_loss`` on it run
 :func:`~gradckpt.engine.chunking.cross_entropy.chunked_cross_entropy`, so the
-logits are never whole. A loss written against plain logits (a Hugging Face
-model's ``ForCausalLMLoss``, ``F.cross_entropy(model(x).view(-1, V), y)``) runs
-chunked unchanged.
+logits are never whole. ``flatten``, ``narrow``, ``select``,
+``squeeze`` and ``unsqueeze`` of token dimensions too. A loss written against
+plain logits (a Hugging Face model's ``ForCausalLMLoss``,
+``F.cross_entropy(model(x).view(-1, V), y)``) runs chunked unchanged.
 
 Anything else that reads it (``argmax`` for an accuracy, a z-loss's
 ``logsumexp``, printing) gets the logits computed whole, with autograd, and a
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from gradckpt.engine.chunking.cross_entropy import chunked_cross_entropy
+from gradckpt.engine.chunking.linear_loss import LinearHead
 
 __all__ = ["HeadSource", "LazyLogits", "lazy_logits"]
 
@@ -97,7 +99,10 @@ def lazy_logits(
 
 
 def _parameters(head: Any) -> list[torch.Tensor]:
-    owner = getattr(head, "__self__", head)  # a bound forward: its module
+    if isinstance(head, LinearHead):
+        return [p for p in (head.weight, head.bias) if p is not None]
+    plain = getattr(head, "plain", head)  # gradckpt's call of a unit's forward
+    owner = getattr(plain, "__self__", plain)  # a bound forward: its module
     return list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
 
 
@@ -268,6 +273,24 @@ def _getitem(lazy: LazyLogits, index: Any) -> Any:
     return lazy._derived(lazy._hidden[index])
 
 
+def _token_view(func: Any) -> Callable[..., Any]:
+    """A rule for ``func`` (flatten, narrow, squeeze, ...): lazy when, applied to the logits'
+    shape and to the head's input alike, it leaves the last dimension alone."""
+
+    def rule(lazy: LazyLogits, *args: Any, **kwargs: Any) -> Any:
+        try:
+            shape = func(torch.empty(lazy.shape, device="meta"), *args, **kwargs).shape
+            hidden = func(lazy._hidden, *args, **kwargs)
+        except (RuntimeError, IndexError, TypeError, ValueError):
+            return NotImplemented
+        last = lazy._hidden.shape[-1]
+        if not shape or shape[-1] != lazy.shape[-1] or tuple(hidden.shape) != (*shape[:-1], last):
+            return NotImplemented
+        return lazy._derived(hidden)
+
+    return rule
+
+
 def _log_softmax(lazy: LazyLogits, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
     if lazy._log_softmax or dim not in (-1, lazy.ndim - 1):
         return NotImplemented
@@ -290,9 +313,9 @@ def _loss(lazy: LazyLogits, signature: inspect.Signature, args: tuple, kwargs: d
         return NotImplemented  # class probabilities as targets
     source = lazy._source
     return chunked_cross_entropy(
-        lazy._hidden, source.call, target, chunks=source.chunks, ignore_index=a["ignore_index"],
+        lazy._hidden, source.head, target, chunks=source.chunks, ignore_index=a["ignore_index"],
         label_smoothing=a.get("label_smoothing", 0.0), reduction=a["reduction"],
-        upcast=None if lazy.dtype == lazy._head_dtype else lazy.dtype,
+        upcast=None if lazy.dtype == lazy._head_dtype else lazy.dtype, autocast=source.autocast,
     )  # fmt: skip
 
 
@@ -322,6 +345,12 @@ _RULES: dict[Any, Callable[..., Any]] = {
     _T.reshape: _reshape,
     _T.contiguous: lambda lazy, memory_format=torch.contiguous_format: lazy,
     _T.__getitem__: _getitem,
+    _T.flatten: _token_view(_T.flatten),
+    torch.flatten: _token_view(torch.flatten),
+    _T.narrow: _token_view(_T.narrow),
+    _T.select: _token_view(_T.select),
+    _T.squeeze: _token_view(_T.squeeze),
+    _T.unsqueeze: _token_view(_T.unsqueeze),
     F.log_softmax: _log_softmax,
     F.cross_entropy: _cross_entropy,
     F.nll_loss: _nll_loss,

@@ -6,9 +6,11 @@ backward, as a recompute would. Slicing then shrinks them: every per-token
 storage the region makes, in its forward, its recompute or its backward, is
 one slice's size (``resized``); slices run one after another, so one slice's
 worth is live at any moment. What the region's backward hands on (the head
-input's gradient, the weight's) is whole, and while slices are being
-accumulated into it a second one of its size is live (the next slice's,
-before the in-place add): a buffer over the region's backward.
+input's gradient, the weight's) is whole and made by the first slice, so it
+lives from the region's backward on. A plain ``nn.Linear`` head accumulates
+into it in place (:mod:`gradckpt.engine.chunking.linear_loss`); any other head's
+gradients are gathered by autograd, and while slices are added a second one
+of each size is live: a buffer over the region's backward.
 
 Example:
     >>> chunk_effect(prof, head_span(prof), 8).resized
@@ -17,7 +19,7 @@ Example:
 from __future__ import annotations
 
 from gradckpt.planning.handlers.effects import Buffer, StepEffect
-from gradckpt.planning.kinds.chunk.span import HeadSpan
+from gradckpt.planning.kinds.chunk.span import HeadSpan, itemsize
 from gradckpt.profiling.records import Profile
 
 __all__ = ["chunk_effect"]
@@ -31,9 +33,18 @@ def chunk_effect(profile: Profile, span: HeadSpan, chunks: int) -> StepEffect:
     """
     storages = profile.storages
     resized = {s: span.slice_bytes(storages[s].nbytes, chunks) for s in span.per_token}
-    buffers: tuple[Buffer, ...] = ()
+    buffers: list[Buffer] = []
     if span.backward:
         start = profile.ops[span.backward[0]].position - 1
         stop = profile.ops[span.backward[-1]].position + 1
-        buffers = tuple(Buffer(storages[s].nbytes, start, stop) for s in sorted(span.handed_on))
-    return StepEffect(resized=resized, buffers=buffers)
+        for s in sorted(span.handed_on):
+            nbytes = storages[s].nbytes
+            if not span.linear:  # autograd makes one more per slice before adding it
+                buffers.append(Buffer(nbytes, start, stop))
+                continue
+            # Made by the first slice, before the plain step would make it whole.
+            buffers.append(Buffer(nbytes, start, max(start, storages[s].alloc)))
+            own = itemsize(nbytes, storages[s].shape)
+            if own > span.logits_itemsize:  # autocast: each slice's product, in bf16
+                buffers.append(Buffer(nbytes * span.logits_itemsize // own, start, stop))
+    return StepEffect(resized=resized, buffers=tuple(buffers))

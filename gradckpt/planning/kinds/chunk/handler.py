@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradckpt.engine.chunking.lazy import lazy_logits
+from gradckpt.engine.chunking.linear_loss import LinearHead
 from gradckpt.engine.decisions import Chunk, Decision
 from gradckpt.planning.handlers.effects import StepEffect
 from gradckpt.planning.handlers.engine_counts import EngineCounts
@@ -143,7 +145,11 @@ class ChunkHandler(KindHandler):
     def run(self, unit: Any, args: tuple, kwargs: dict, *, in_recompute: bool) -> Any:
         if in_recompute or not args or not isinstance(args[0], torch.Tensor):
             return unit.call_in_region(args, kwargs)  # as the segment's forward ran it
-        head = _HeadCall(unit.plain, args[1:], kwargs)
+        module = unit.module
+        if type(module) is nn.Linear and len(args) == 1 and not kwargs:
+            head: Any = LinearHead(module.weight, module.bias)  # backward done in place
+        else:
+            head = _HeadCall(unit.plain, args[1:], kwargs)
         return lazy_logits(head, args[0], unit.decision.chunks, name=unit.path)
 
     def describe(self, decision: Decision) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from gradckpt.profiling.records import NEVER, Profile, UnitRecord
 
-__all__ = ["HeadSpan", "head_span", "rows_of"]
+__all__ = ["HeadSpan", "head_span", "itemsize", "rows_of"]
 
 
 def _op(name: str) -> str:
@@ -39,18 +39,30 @@ _HEAD_OPS = frozenset({
     "t", "view", "_unsafe_view", "reshape", "mm", "addmm", "bmm", "matmul", "linear", "add",
     "mul", "_to_copy", "clone", "expand", "transpose", "contiguous", "permute",
 })  # fmt: skip
+# Ops of a plain nn.Linear head (under autocast too): its backward is done in place by
+# gradckpt.engine.chunking.linear_loss, with no second weight gradient per slice.
+_LINEAR_OPS = frozenset({"t", "view", "_unsafe_view", "mm", "addmm", "_to_copy"})
 # Ops of the loss after the head that may touch the logits: the upcast, a copy of
 # shifted logits, the log-softmax; and the reduction.
 _LOGIT_OPS = frozenset({"_to_copy", "clone", "_log_softmax", "view", "_unsafe_view", "slice"})
 _LOSS_OPS = frozenset({"nll_loss_forward", "nll_loss2d_forward"})
 # Label bookkeeping and the scalar arithmetic around the loss (never vocabulary-sized).
+# The views among them are the ones lazy logits take lazily too
+# (gradckpt.engine.chunking.lazy): a step whose loss reads the logits through another
+# (expand, as_strided, detach) is not chunked.
 _SMALL_OPS = frozenset({
     "constant_pad_nd", "slice", "clone", "view", "_unsafe_view", "_to_copy", "ne", "eq", "sum",
-    "div", "mul", "add", "sub", "select", "unsqueeze", "squeeze", "expand", "lift_fresh",
-    "detach", "alias", "scalar_tensor", "where", "masked_fill", "copy_", "fill_", "to",
-    "_reshape_alias", "as_strided", "reshape", "contiguous", "neg", "mean", "item",
+    "div", "mul", "add", "sub", "select", "unsqueeze", "squeeze", "lift_fresh",
+    "scalar_tensor", "where", "masked_fill", "copy_", "fill_", "to",
+    "_reshape_alias", "reshape", "contiguous", "neg", "mean", "item",
     "_local_scalar_dense", "zeros", "zeros_like", "ones_like", "full", "empty",
 })  # fmt: skip
+
+
+def itemsize(nbytes: int, shape: tuple[int, ...]) -> int:
+    """Bytes per element of a storage of ``nbytes`` holding ``shape`` (4 if unknown)."""
+    count = math.prod(shape) if shape else 0
+    return max(1, nbytes // count) if count else 4
 
 
 def rows_of(shape: tuple[int, ...]) -> int:
@@ -74,6 +86,10 @@ class HeadSpan:
     per_token: frozenset[int] = field(default_factory=frozenset)
     #: Storages the region's backward makes and hands on (gradients): whole.
     handed_on: frozenset[int] = field(default_factory=frozenset)
+    #: The head is a plain ``nn.Linear``: its backward accumulates in place (see above).
+    linear: bool = False
+    #: Bytes per element of the logits the head computes (bf16 under autocast).
+    logits_itemsize: int = 4
     why_not: str = ""
 
     def slice_bytes(self, nbytes: int, chunks: int) -> int:
@@ -147,7 +163,9 @@ def _loss_ops(profile: Profile, head: UnitRecord, rows: int, vocab: int) -> str:
 
 def _region(profile: Profile, head: UnitRecord, rows: int) -> HeadSpan:
     ops = profile.ops
-    last_bwd = max((op.index for op in ops[profile.forward_ops :] if op.unit == head.index), default=-1)
+    last_bwd = max(
+        (op.index for op in ops[profile.forward_ops :] if op.unit == head.index), default=-1
+    )
     backward = range(profile.forward_ops, last_bwd + 1)
     if any(ops[i].unit not in (-1, head.index) for i in backward):
         return _none(f"the backward of {head.path} and its loss is interleaved with other units'")
@@ -160,7 +178,11 @@ def _region(profile: Profile, head: UnitRecord, rows: int) -> HeadSpan:
         s for s in made + made_bwd
         if s not in handed_on and _is_per_token(storages[s].shape, rows)
     )  # fmt: skip
+    linear = head.cls == "Linear" and all(
+        _op(op.name) in _LINEAR_OPS for op in profile.unit_ops(head)
+    )
     return HeadSpan(
         unit=head.index, first_op=head.first_op, end_op=profile.forward_ops, rows=rows,
-        backward=backward, per_token=per_token, handed_on=handed_on,
+        backward=backward, per_token=per_token, handed_on=handed_on, linear=linear,
+        logits_itemsize=itemsize(storages[head.output].nbytes, storages[head.output].shape),
     )  # fmt: skip
