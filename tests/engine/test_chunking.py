@@ -24,6 +24,15 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     assert (got - ref).norm().item() <= rel * max(scale, 1e-30), (got, ref)
 
 
+def _same_loss_and_grads(
+    got: torch.Tensor, ref: torch.Tensor, hidden: torch.Tensor, head: nn.Linear
+) -> None:
+    """The loss, the input's and the head's gradients within fp32's 1e-5 relative."""
+    _close(got, ref)
+    for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
+        _close(g, r)
+
+
 def _setup(seed: int = 0, bias: bool = True) -> tuple[torch.Tensor, nn.Linear, torch.Tensor]:
     torch.manual_seed(seed)
     hidden = torch.randn(N, H, requires_grad=True)
@@ -64,9 +73,7 @@ def test_chunked_loss_and_grads_match_the_whole_in_fp32(kind, reduction, smoothi
         reduction=reduction,
     )  # fmt: skip
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    _close(got, ref)
-    for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
-        _close(g, r)
+    _same_loss_and_grads(got, ref, hidden, head)
 
 
 @pytest.mark.parametrize("kind", ["module", "linear"])
@@ -76,9 +83,7 @@ def test_a_slice_with_no_counted_token_adds_nothing_and_the_mean_counts_all_slic
     labels[20] = 3  # one counted token, in one slice of five
     ref = F.cross_entropy(head(hidden), labels)
     got = chunked_cross_entropy(hidden, _as(kind, head), labels, chunks=5)
-    _close(got, ref)
-    for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
-        _close(g, r)
+    _same_loss_and_grads(got, ref, hidden, head)
 
 
 @pytest.mark.parametrize("kind", ["module", "linear"])
@@ -89,9 +94,7 @@ def test_z_loss_is_the_mean_log_z_squared_over_counted_tokens(kind):
     z = torch.logsumexp(logits, -1)[counted].pow(2).mean()
     ref = F.cross_entropy(logits, labels) + 1e-4 * z
     got = chunked_cross_entropy(hidden, _as(kind, head), labels, chunks=4, z_loss=1e-4)
-    _close(got, ref)
-    for g, r in zip(_grads(got, hidden, head), _grads(ref, hidden, head)):
-        _close(g, r)
+    _same_loss_and_grads(got, ref, hidden, head)
 
 
 @pytest.mark.parametrize("kind", ["module", "linear"])

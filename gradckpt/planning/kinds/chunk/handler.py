@@ -116,10 +116,9 @@ class ChunkHandler(KindHandler):
         assert isinstance(decision, Chunk)
         if span is None:
             return EngineCounts()
-        packs = sum(1 for p in profile.packs if p.unit == unit.index) + len(span.packs(profile))
         ops = span.end_op - span.first_op
         k = decision.chunks
-        return EngineCounts(regions=k, recompute_ops=k * ops, saved_tensors=k * packs)
+        return EngineCounts(regions=k, recompute_ops=k * ops, saved_tensors=k * span.saved)
 
     def region(self, profile: Profile, unit: UnitRecord, decision: Decision) -> Region | None:
         span = span_of(profile, unit)
@@ -132,7 +131,7 @@ class ChunkHandler(KindHandler):
             )
         return Region(
             [unit.index], span.first_op, span.end_op, frozenset(), frozenset(unit.inputs),
-            packs=span.packs(profile), repeats=decision.chunks,
+            packs=list(span.loss_packs), repeats=decision.chunks,
         )  # fmt: skip
 
     def plan_effect(self, profile: Profile, plan: Any) -> StepEffect | None:

@@ -90,16 +90,16 @@ class HeadSpan:
     linear: bool = False
     #: Bytes per element of the logits the head computes (bf16 under autocast).
     logits_itemsize: int = 4
+    #: Saved tensors of the loss's ops (outside every unit), inside the region.
+    loss_packs: tuple[int, ...] = ()
+    #: Saved tensors of the head unit and the loss together.
+    saved: int = 0
     why_not: str = ""
 
     def slice_bytes(self, nbytes: int, chunks: int) -> int:
         """Bytes of one (the largest) slice of a per-token storage of ``nbytes``."""
         return -(-nbytes * -(-self.rows // chunks) // self.rows)
 
-    def packs(self, profile: Profile) -> list[int]:
-        """Saved tensors of the loss ops (outside every unit) inside the region."""
-        inside = range(self.first_op, self.end_op)
-        return [p.id for p in profile.packs if p.unit < 0 and p.ops_done - 1 in inside]
 
 
 def _none(why: str) -> HeadSpan:
@@ -181,8 +181,12 @@ def _region(profile: Profile, head: UnitRecord, rows: int) -> HeadSpan:
     linear = head.cls == "Linear" and all(
         _op(op.name) in _LINEAR_OPS for op in profile.unit_ops(head)
     )
+    inside = range(head.first_op, profile.forward_ops)
+    loss_packs = tuple(p.id for p in profile.packs if p.unit < 0 and p.ops_done - 1 in inside)
     return HeadSpan(
         unit=head.index, first_op=head.first_op, end_op=profile.forward_ops, rows=rows,
         backward=backward, per_token=per_token, handed_on=handed_on, linear=linear,
         logits_itemsize=itemsize(storages[head.output].nbytes, storages[head.output].shape),
+        loss_packs=loss_packs,
+        saved=len(loss_packs) + sum(1 for p in profile.packs if p.unit == head.index),
     )  # fmt: skip
