@@ -34,10 +34,15 @@ def _step(ex):
     return state_bytes(ex.model) + allocator.peak_bytes, loss.detach(), grads
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama+lora"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama+lora", "gpt2+autocast"])
 def test_a_causal_lm_called_with_labels_fits_below_the_loss_floor(name, one_thread):
+    # fp32: 1e-5 relative per tensor. Under bf16 autocast the head's matmuls run in bf16
+    # and the weight gathers one product per slice: bf16's rtol (1.6e-2) per tensor.
+    tolerance = 1.6e-2 if name.endswith("autocast") else 1e-5
     if name == "llama+lora":  # the head frozen: no weight gradient to accumulate
         ex = lora_example("llama", **SIZES)
+    elif name == "gpt2+autocast":
+        ex = hf_example("gpt2", **SIZES, autocast=torch.bfloat16)
     else:
         ex = hf_example(name, **SIZES)
     ex.model.config.use_cache = False
@@ -55,10 +60,10 @@ def test_a_causal_lm_called_with_labels_fits_below_the_loss_floor(name, one_thre
         gradckpt.remove(ex.model)
     assert peak <= budget < plain_peak
     assert abs(plan.predicted_peak_bytes - peak) <= 0.02 * peak, (plan.predicted_peak_bytes, peak)
-    assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert abs(loss - plain_loss) <= tolerance * abs(plain_loss)
     assert grads.keys() == plain_grads.keys()
     for k, ref in plain_grads.items():
-        assert (grads[k] - ref).norm() <= 1e-5 * ref.norm(), k
+        assert (grads[k] - ref).norm() <= tolerance * ref.norm(), k
 
 
 def test_the_output_logits_are_lazy_and_right_when_read():

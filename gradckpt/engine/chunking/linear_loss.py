@@ -110,12 +110,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(g, w, out=grad_x[start:stop])
             if needs_w:
                 rows = x[start:stop]
+                if g.dtype != weight.dtype:  # autocast: multiply in the weight's dtype, so
+                    g, rows = g.to(weight.dtype), rows.to(weight.dtype)  # no (V, H) bf16 copy
                 if grad_w is None:
-                    grad_w = g.t().mm(rows).to(weight.dtype)
-                elif grad_w.dtype == g.dtype:
+                    grad_w = g.t().mm(rows)
+                else:
                     grad_w.addmm_(g.t(), rows)
-                else:  # autocast: the slice's bf16 product, gathered in the weight's dtype
-                    grad_w.add_(g.t().mm(rows))
             if needs_b:
                 part_b = g.sum(0, dtype=bias.dtype)
                 grad_b = part_b if grad_b is None else grad_b.add_(part_b)

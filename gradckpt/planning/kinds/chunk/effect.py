@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 from gradckpt.planning.handlers.effects import Buffer, StepEffect
-from gradckpt.planning.kinds.chunk.span import HeadSpan, itemsize
+from gradckpt.planning.kinds.chunk.span import HeadSpan
 from gradckpt.profiling.records import Profile
 
 __all__ = ["chunk_effect"]
@@ -42,9 +42,8 @@ def chunk_effect(profile: Profile, span: HeadSpan, chunks: int) -> StepEffect:
             if not span.linear:  # autograd makes one more per slice before adding it
                 buffers.append(Buffer(nbytes, start, stop))
                 continue
-            # Made by the first slice, before the plain step would make it whole.
+            # Made by the first slice, before the plain step would make it whole. (Under
+            # autocast each slice's bf16 product before it is added is the plain step's
+            # own bf16 gradient, which the step keeps where it made it.)
             buffers.append(Buffer(nbytes, start, max(start, storages[s].alloc)))
-            own = itemsize(nbytes, storages[s].shape)
-            if own > span.logits_itemsize:  # autocast: each slice's product, in bf16
-                buffers.append(Buffer(nbytes * span.logits_itemsize // own, start, stop))
     return StepEffect(resized=resized, buffers=tuple(buffers))

@@ -169,7 +169,11 @@ def _region(profile: Profile, head: UnitRecord, rows: int) -> HeadSpan:
     backward = range(profile.forward_ops, last_bwd + 1)
     if any(ops[i].unit not in (-1, head.index) for i in backward):
         return _none(f"the backward of {head.path} and its loss is interleaved with other units'")
-    end_bwd = ops[backward[-1]].position if backward else NEVER
+    # Handed on: still live once the op after the region's backward ran (a gradient the
+    # next unit's backward reads, or a parameter's); what the region's last op reads dies
+    # before that op.
+    after = backward[-1] + 1 if backward else len(ops)
+    end_bwd = ops[after].position if after < len(ops) else NEVER
     made = [s for i in range(head.first_op, profile.forward_ops) for s in ops[i].outputs]
     made_bwd = [s for i in backward for s in ops[i].outputs]
     storages = profile.storages
