@@ -19,13 +19,14 @@ import gc
 from dataclasses import dataclass
 from functools import cached_property
 
+from gradckpt.engine.decisions import Chunk
 from gradckpt.planning.explaining.explain import Explanation, explain
 from gradckpt.planning.kinds.chunk.handler import allow_chunking
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.kinds.offload.solve import offload_candidates
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.simulation.simulate import Prediction
+from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solve import solve
 from gradckpt.planning.solving.budget import parse_budget
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
@@ -33,6 +34,8 @@ from gradckpt.planning.solving.dp import ChainDP
 from gradckpt.planning.solving.solvers import (
     Solver,
     check_plannable,
+    dp_scan,
+    dp_search,
     finish,
     least_peak_plan,
     none_plan,
@@ -43,6 +46,9 @@ from gradckpt.planning.solving.whole_step import check_floor
 from gradckpt.profiling.records import Profile
 
 __all__ = ["FrontierPoint", "Planner"]
+
+#: Times :meth:`Planner.least_peak` asks the DP for a plan just below the least peak found.
+_TIGHTEN = 3
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,33 @@ class Planner:
 
     def _least_peak(self) -> tuple[Plan, Prediction]:
         if self.offload is not None:
-            return least_peak_offload(self.profile, self.offload, segments=self.segments)
-        return least_peak_plan(self.profile, segments=self.segments)
+            found = least_peak_offload(self.profile, self.offload, segments=self.segments)
+        else:
+            found = least_peak_plan(self.profile, segments=self.segments)
+        return self._tightened(found) if self._chunks_offered() else found
+
+    def _chunks_offered(self) -> bool:
+        return self.chunking and any(
+            isinstance(o, Chunk) for options in self.chain.options for o in options
+        )
+
+    def _tightened(self, found: tuple[Plan, Prediction]) -> tuple[Plan, Prediction]:
+        """``found``, or the plan :meth:`plan` makes just below its peak when it reaches lower.
+
+        With a chunked head the least peak is set by blocks' regions, where plans differ
+        by a region's few kilobytes (its RNG state); the least-peak search runs on times
+        estimated from FLOPs, :meth:`plan` on measured ones, and either may find the
+        other's last bytes. No budget :meth:`plan` meets stays below what this returns.
+        """
+        model, dp = self.chain, self.dp
+        for _ in range(_TIGHTEN):
+            budget = found[1].peak_bytes - 1
+            lower = dp_search(self.profile, budget, model, dp, self.segments)
+            lower = lower or dp_scan(self.profile, budget, model, dp, self.segments)
+            if lower is None:
+                break
+            found = (lower, simulate(self.profile, lower))
+        return found
 
     def frontier(self, points: int = 32) -> list[FrontierPoint]:
         """The memory-time Pareto curve, from the least feasible peak to the plain step.
