@@ -27,14 +27,10 @@ Usage:
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch
-import torch.utils.checkpoint as torch_ckpt
 
 import gradckpt
 from benchmarks.harness import (
@@ -60,20 +56,11 @@ from benchmarks.harness import (
     write_results,
 )
 from gradckpt.profiling import find_blocks
-from gradckpt.testing.wild import wild
+from gradckpt.testing.wild import torchtitan_sac, wild
 
 FULL = dict(layers=8, dim=256, heads=4, seq=512, batch=2, vocab=2048)
 QUICK = dict(layers=2, dim=64, heads=4, seq=64, batch=2, vocab=256)
 
-aten = torch.ops.aten
-# torchtitan's default selective-checkpointing save list (its CPU attention kernel added).
-TITAN_SAVE = {
-    aten.mm.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten.max.default,
-}
 DESCRIPTIONS = {
     "plain": "no checkpointing",
     "torch_full": "torch.utils.checkpoint per block (torchtitan full)",
@@ -81,34 +68,6 @@ DESCRIPTIONS = {
     "gradckpt_full_peak": "gradckpt.fit at torch_full's peak",
     "gradckpt_sac_peak": "gradckpt.fit at torch_sac's peak",
 }
-
-
-def titan_sac(forward):
-    """torch SAC with torchtitan's policy: save TITAN_SAVE's outputs, but every second mm."""
-
-    def policy_for(counts):
-        def policy(ctx, func, *args, **kwargs):
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func == aten.mm.default:
-                counts[mode] += 1
-            keep = func in TITAN_SAVE and not (func == aten.mm.default and counts[mode] % 2 == 0)
-            return (
-                torch_ckpt.CheckpointPolicy.MUST_SAVE
-                if keep
-                else torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE
-            )
-
-        return policy
-
-    def context():
-        return torch_ckpt.create_selective_checkpoint_contexts(policy_for(defaultdict(int)))
-
-    def run(*args, **kwargs):
-        return torch_ckpt.checkpoint(
-            forward, *args, use_reentrant=False, context_fn=context, **kwargs
-        )
-
-    return run
 
 
 def fitted_at(sizes: dict, budget: int) -> gradckpt.Plan:
@@ -121,7 +80,7 @@ def run(sizes: dict, warmup: int, repeats: int, seed: int) -> tuple[dict, dict]:
     build = lambda: wild("titan_llama", **sizes)  # noqa: E731
     probe = build()
     found = find_blocks(probe.model)
-    torch_side = {"torch_full": per_block(torch_checkpoint), "torch_sac": per_block(titan_sac)}
+    torch_side = {"torch_full": per_block(torch_checkpoint), "torch_sac": per_block(torchtitan_sac)}
     budgets = {name: measure_peaks(build(), install, seed)[0] for name, install in torch_side.items()}
     plans = {
         "gradckpt_full_peak": fitted_at(sizes, budgets["torch_full"]),

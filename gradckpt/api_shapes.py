@@ -367,10 +367,11 @@ def for_the_running_call(
         return
     assert chosen.budget_bytes is not None
     try:
+        # The DP's plan: a segment baseline (sqrt) has no form without segments.
         interim = Planner(
             prof, segments=False, offload=options.offload, chunking=options.chunking
         ).plan(
-            chosen.budget_bytes, options.solver
+            chosen.budget_bytes, "dp"
         )
     except BudgetError as exc:
         warnings.warn(

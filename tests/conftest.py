@@ -10,6 +10,8 @@ beside them cannot be imported; each fixture here returns the helper function.
   example's blocks (or ``blocks``) ``mode`` and keeps every other unit.
 * ``peak_and_grads(model, step, seed=0)``: one seeded ``step().backward()``, its
   whole peak at the allocator (the model's state included) and its gradients.
+* ``every_block_peak(ex)``: that peak with ``torch.utils.checkpoint`` around each of
+  ``ex.block_paths`` (what torch's per-block checkpointing reaches).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from gradckpt.measure import AllocatorTracker, state_bytes
@@ -84,6 +87,28 @@ def _peak_and_grads(
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return state_bytes(model) + allocator.peak_bytes, grads
+
+
+def _every_block_peak(ex: Example, seed: int = 0) -> int:
+    """The allocator peak of ``ex``'s step with torch's checkpoint around each of its blocks."""
+    modules = dict(ex.model.named_modules())
+    for path in ex.block_paths:
+        forward = modules[path].forward
+        modules[path].forward = lambda *a, f=forward: torch_checkpoint.checkpoint(
+            f, *a, use_reentrant=False
+        )
+    try:
+        peak, _ = _peak_and_grads(ex.model, ex.loss_fn, seed)
+    finally:
+        for path in ex.block_paths:
+            modules[path].__dict__.pop("forward")
+    return peak
+
+
+@pytest.fixture(scope="session")
+def every_block_peak():
+    """:func:`_every_block_peak`."""
+    return _every_block_peak
 
 
 @pytest.fixture(scope="session")

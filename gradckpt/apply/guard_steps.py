@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.plans.call_key import Key, ShapeKey, calls_of, step_key
 from gradckpt.planning.plans.plan import Plan
+from gradckpt.planning.solving.budget import BudgetError
 
 if TYPE_CHECKING:
     from gradckpt.apply.guard_routing import ShapeGuard
@@ -179,8 +180,12 @@ class StepRouting:
         key = step.key
         self.unforeseen += 1
         ran = self.plans.get(step.plan_key) if step.plan_key in self.plans else None
+        unplanned = ""
         if key not in self.plans and self.policy == "replan":
-            self._replan(key, inputs, switch=False)
+            try:
+                self._replan(key, inputs, switch=False)
+            except BudgetError as exc:  # said below; the next step is not refused for it
+                unplanned = f" No plan fits it: {exc}"
         if key in self.plans:
             self.preferred[step.keys[0]] = key
         if key in self.warned:
@@ -194,7 +199,8 @@ class StepRouting:
             f"It is planned now (predicted peak {format_bytes(made.predicted_peak_bytes)}); "
             "the next steps that begin like it run that plan."
             if made is not None
-            else "To plan it, fit with on_new_shape='replan' or pass "
+            else unplanned
+            or "To plan it, fit with on_new_shape='replan' or pass "
             "shapes=[[...one entry per call...]]."
         )
         ran_for = step.plan_key.describe() if step.plan_key is not None else "?"

@@ -24,15 +24,17 @@ Example:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from gradckpt.testing.example import Device, Example, Inputs, build_example
 
-__all__ = ["WILD", "wild"]
+__all__ = ["TORCHTITAN_SAVE", "WILD", "torchtitan_sac", "wild"]
 
 
 def _token_inputs(batch: int, seq: int, vocab: int) -> Callable[[torch.Generator], Inputs]:
@@ -321,6 +323,55 @@ class MonaiUNet(nn.Module):
 
 def _seg_loss(model: nn.Module, inputs: Inputs) -> torch.Tensor:
     return F.cross_entropy(model(inputs["x"]), inputs["y"])
+
+
+# ----------------------------------------------------------------- torchtitan's selective AC
+
+_aten = torch.ops.aten
+#: torchtitan's default save list for per-op selective checkpointing (and the CPU kernel
+#: of scaled dot-product attention, where it runs here).
+TORCHTITAN_SAVE = frozenset({
+    _aten.mm.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten.max.default,
+})  # fmt: skip
+
+
+def torchtitan_sac(forward: Callable) -> Callable:
+    """``forward`` under torch's selective checkpointing with torchtitan's default policy:
+    keep the outputs of :data:`TORCHTITAN_SAVE`'s ops, but recompute every second matmul.
+
+    Example:
+        >>> block.forward = torchtitan_sac(block.forward)
+    """
+
+    def policy_for(counts: dict[str, int]) -> Callable:
+        def policy(ctx: object, func: object, *args: object, **kwargs: object) -> object:
+            mode = "recompute" if ctx.is_recompute else "forward"  # type: ignore[attr-defined]
+            if func == _aten.mm.default:
+                counts[mode] += 1
+            keep = func in TORCHTITAN_SAVE and not (
+                func == _aten.mm.default and counts[mode] % 2 == 0
+            )
+            return (
+                torch_checkpoint.CheckpointPolicy.MUST_SAVE
+                if keep
+                else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+            )
+
+        return policy
+
+    def context() -> tuple:
+        return torch_checkpoint.create_selective_checkpoint_contexts(policy_for(defaultdict(int)))
+
+    def run(*args: object, **kwargs: object) -> object:
+        return torch_checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, context_fn=context, **kwargs
+        )
+
+    return run
 
 
 # ----------------------------------------------------------------- builders

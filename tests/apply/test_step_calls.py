@@ -132,19 +132,23 @@ def test_fit_from_the_models_forward_pre_hook_holds_the_budget_on_the_call_that_
 ):
     ex = make("mlp", blocks=8, width=128, hidden=512, batch=256)
     plain_peak, _ = peak_and_grads(ex.model, ex.loss_fn)
-    budget = int(0.7 * plain_peak)  # a plan with a segment at this budget
+    budget = int(0.8 * plain_peak)
+    # The sqrt(N) scheme: segments on every run (the DP's choice at a budget follows the
+    # measured op times, which move with the machine's load).
+    prof = gradckpt.profile(ex.model, ex.loss_fn)
     made = []
 
     def plan_on_first_call(module, args):
         handle.remove()
-        made.append(gradckpt.fit(ex.model, ex.loss_fn, budget))
+        made.append(gradckpt.fit(ex.model, ex.loss_fn, budget, solver="sqrt", profile=prof,
+                                 measure_candidates=0))  # fmt: skip
 
     handle = ex.model.register_forward_pre_hook(plan_on_first_call)
     first, _ = peak_and_grads(ex.model, ex.loss_fn)
     (plan,) = made
     assert any(isinstance(item, Segment) for item in plan.items)
-    assert gradckpt.applied_plan(ex.model) is not plan  # the call in progress: no segments
     assert first <= budget, (first, budget)
+    assert gradckpt.applied_plan(ex.model) is not plan  # the call in progress: no segments
     second, _ = peak_and_grads(ex.model, ex.loss_fn)
     assert gradckpt.applied_plan(ex.model) is plan  # from the next step on
     assert second <= budget, (second, budget)
@@ -161,3 +165,16 @@ def test_a_two_call_plan_applied_alone_learns_both_calls_and_holds_the_budget(pe
         peaks = [peak_and_grads(model, _two_calls(model), seed)[0] for seed in range(3)]
     assert all(p <= budget for p in peaks), (peaks, budget)
     assert guard_of(model).active.describe() == "(8,32):int64 then (8,48):int64"
+
+
+def test_an_unforeseen_combination_no_plan_fits_is_said_and_the_next_step_still_runs():
+    model = _gpt()
+    with pytest.raises(gradckpt.BudgetError) as least:
+        gradckpt.plan(model, _two_calls(model, 16, 16), 1)
+    gradckpt.fit(model, _two_calls(model, 16, 16), least.value.least_peak_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _two_calls(model, 16, 48)().backward()  # its second call far longer
+        _two_calls(model, 16, 16)().backward()  # the next step: not refused for it
+    said = [str(w.message) for w in caught if "did not foresee" in str(w.message)]
+    assert len(said) == 1 and "No plan fits it" in said[0]

@@ -12,11 +12,9 @@ import dataclasses
 
 import pytest
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import iter_units
 from gradckpt.planning.solving.budget import BudgetError
@@ -24,7 +22,7 @@ from gradckpt.profiling import find_blocks, profile
 from gradckpt.profiling.block_cover import COVER_SHARE, nested, settle_nested, written_by_module
 from gradckpt.profiling.units import block_candidates
 from gradckpt.testing import ZOO, make
-from gradckpt.testing.wild import WILD, wild
+from gradckpt.testing.wild import WILD, torchtitan_sac, wild
 
 
 class Linear(nn.Linear):
@@ -116,32 +114,16 @@ def test_a_peak_outside_the_units_names_the_parents_in_the_budget_error():
     assert "repeated modules" not in str(plain_error.value)
 
 
-def _every_block_peak(ex) -> int:
-    """The allocator peak of torch's checkpoint around each of ``ex``'s blocks."""
-    modules = dict(ex.model.named_modules())
-    for path in ex.block_paths:
-        block = modules[path]
-        forward = block.forward
-        block.forward = lambda *a, f=forward: torch_checkpoint.checkpoint(f, *a, use_reentrant=False)
-    try:
-        with AllocatorTracker() as at:
-            ex.loss_fn().backward()
-    finally:
-        for path in ex.block_paths:
-            modules[path].__dict__.pop("forward")
-    ex.model.zero_grad(set_to_none=True)
-    return state_bytes(ex.model) + at.peak_bytes
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_fit_at_the_every_block_peak_of_a_torchtitan_llama_holds_it_at_the_allocator(
-    peak_and_grads,
+    peak_and_grads, every_block_peak
 ):
     ex = wild("titan_llama", layers=4, dim=64, seq=128, batch=2)
     plain_peak, plain_grads = peak_and_grads(ex.model, ex.loss_fn)
-    budget = _every_block_peak(ex)
+    budget = every_block_peak(ex)
     assert budget < 0.6 * plain_peak
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget)
+    # chunking=False: gradients bit for bit, as torch's per-block checkpointing gives them.
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, chunking=False)
     assert {u.path for u in iter_units(plan.items)} >= set(ex.block_paths)
     peak, grads = peak_and_grads(ex.model, ex.loss_fn)
     assert peak <= budget, (peak, budget)
@@ -155,3 +137,22 @@ def test_hugging_face_models_keep_their_decoder_and_encoder_layers(name):
 
     ex = hf_example(name, layers=2, hidden=32, heads=2, seq=16, batch=2, vocab=64)
     assert _settled(ex) == ex.block_paths
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fit_at_the_peak_of_torchtitans_selective_checkpointing_holds_it(peak_and_grads):
+    ex = wild("titan_llama", layers=4, dim=64, seq=128, batch=2)
+    plain_peak, plain_grads = peak_and_grads(ex.model, ex.loss_fn)
+    modules = dict(ex.model.named_modules())
+    for path in ex.block_paths:
+        modules[path].forward = torchtitan_sac(modules[path].forward)
+    try:
+        budget, sac_grads = peak_and_grads(ex.model, ex.loss_fn)
+    finally:
+        for path in ex.block_paths:
+            modules[path].__dict__.pop("forward")
+    assert budget < plain_peak and all(torch.equal(sac_grads[k], plain_grads[k]) for k in sac_grads)
+    gradckpt.fit(ex.model, ex.loss_fn, budget, chunking=False)  # bit for bit, as SAC's
+    peak, grads = peak_and_grads(ex.model, ex.loss_fn)
+    assert peak <= budget, (peak, budget)
+    assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)
