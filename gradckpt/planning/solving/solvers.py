@@ -285,6 +285,9 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         f"(activations, gradients and temporaries) peaks during "
         f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
         "sequence length."
+        + (f" {profile.blocks_note}" if profile.blocks_note else "")
+        + _parents_hint(profile, pred.peak_position),
+        least_peak_bytes=pred.peak_bytes,
     )
 
 
