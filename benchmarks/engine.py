@@ -11,9 +11,15 @@ Contenders (each on its own copy of the zoo GPT, same weights and batch):
 * ``torch_sac_matmuls``: torch selective checkpointing with the same op list
   (``gradckpt.policies.MATMUL_OPS``) per block.
 
+With ``--short-ops`` it measures the regime a GPU runs in instead (ops of tens of
+microseconds: the per-op cost of the engine shows), on two small GPTs, against
+torch per block and torch SAC, and ``gradckpt.fit`` at three budgets
+(:mod:`benchmarks.engine_shortops`); it writes ``engine-shortops-<where>-<date>``.
+
 Usage:
     python -m benchmarks.engine            # full run (~10 min on 2 CPU cores)
     python -m benchmarks.engine --quick    # smoke test
+    python -m benchmarks.engine --short-ops --threads 1 --repeats 60
 """
 
 from __future__ import annotations
@@ -182,8 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--vocab", type=int, default=None, help=f"GPT vocabulary (default {FULL['vocab']})"
     )
+    p.add_argument(
+        "--short-ops",
+        action="store_true",
+        help="the short-op table (a GPU's regime) instead: benchmarks/engine_shortops.py",
+    )
     args = p.parse_args(argv)  # fmt: skip
     settle(args)
+    if args.short_ops:
+        return short_ops(args)
     if args.from_json is not None:
         saved = read_results(args.from_json)
         results = measured_from_json(saved["results"], "plain")
@@ -214,6 +227,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     md, data = report(results, info)
     md_path, json_path = write_results(args.out, "engine", md, data)
+    print(md)
+    print(f"\nwrote {md_path} and {json_path}")
+    return 0
+
+
+def short_ops(args) -> int:
+    """``--short-ops``: every config of :mod:`benchmarks.engine_shortops`, one report
+    (``--from-json``: re-rendered from an earlier run's JSON, nothing measured)."""
+    from benchmarks import engine_shortops as shortops
+
+    if args.from_json is not None:
+        saved = read_results(args.from_json)
+        info, data = saved["info"], saved["configs"]
+        sections = [shortops.report(name, config)[0] for name, config in data.items()]
+    else:
+        configs = shortops.QUICK if args.quick else shortops.CONFIGS
+        clock = RunClock.start()
+        warmup = max(args.warmup, 2)
+        sections, data = shortops.main_sections(
+            configs, device="cpu", warmup=warmup, repeats=args.repeats, seed=args.seed
+        )
+        info = machine_info(
+            model="gpt (gradckpt.testing)", warmup=warmup, repeats=args.repeats,
+            seed=args.seed, quick=args.quick, clock="thread CPU time", **clock.info(),
+        )  # fmt: skip
+    md = "\n\n".join(
+        [
+            f"# Engine benchmark where ops are short (a GPU's regime), CPU ({info['date']})",
+            shortops.__doc__.split("\n\n")[1],
+            *([note] if (note := load_note(info)) else []),
+            *sections,
+            "## Setup",
+            info_block(info),
+        ]
+    )
+    md_path, json_path = write_results(
+        args.out, "engine-shortops", md, {"info": info, "configs": data}, info["date"]
+    )
     print(md)
     print(f"\nwrote {md_path} and {json_path}")
     return 0

@@ -22,7 +22,10 @@ reserved, not allocated), ``roundup_power2_divisions`` (further rounding of
 large blocks, off by default), and memory other libraries allocate outside
 torch's allocator (NCCL buffers, the CUDA context). Then it runs the frontier benchmark (``benchmarks/frontier.py``'s
 ``run_model``) and the Hugging Face benchmark (``benchmarks/hf_models.py``) at GPU
-sizes while time is left (``--time-limit``, default 7 minutes), and the offload
+sizes while time is left (``--time-limit``, default 7 minutes), the short-op engine
+rows (``benchmarks/shortops_gpu.py``: torch per block and SAC against gradckpt per
+block, selective and ``fit``, eagerly and as CUDA graphs where torch can capture
+them), and the offload
 contenders (``benchmarks/offload_gpu.py``: gradckpt with offload, full
 checkpointing, offload-everything + full checkpointing) side by side, and
 last the compiled benchmark (``benchmarks/compiled.py --device cuda``: the
@@ -377,9 +380,16 @@ def _tune_stage(ctx: BenchmarkRun) -> str:
     return run_tune_benchmark(ctx.dry, ctx.outdir, ctx.seconds_left, print)
 
 
+def _shortops_stage(ctx: BenchmarkRun) -> dict:
+    from benchmarks.shortops_gpu import run_shortops
+
+    return run_shortops(ctx.dry, ctx.device, _log)
+
+
 # In the order they run (and their notes appear).
 BENCHMARKS = (
     Benchmark("whole-step budget", 60, "note", _whole_step_stage),
+    Benchmark("short-op engine rows", 60, "shortops", _shortops_stage),
     Benchmark("frontier benchmark", 60, "frontier", _frontier_stage),
     Benchmark("offload contenders", 60, "offload", _offload_stage),
     Benchmark("hf_models benchmark", 30, "note", _hf_stage),
@@ -428,7 +438,7 @@ def _mib(n: int | None) -> str:
 
 def report(
     gpu: str, checks: list[dict], frontier: list[dict], notes: list[str], info: dict,
-    offload: dict | None = None,
+    offload: dict | None = None, shortops: dict | None = None,
 ) -> str:  # fmt: skip
     lines = [
         f"# gradckpt GPU check: {gpu} ({info['date']})",
@@ -478,6 +488,10 @@ def report(
         from benchmarks.offload_gpu import report_lines
 
         lines += report_lines(offload)
+    if shortops:
+        from benchmarks.shortops_gpu import report_lines as shortops_lines
+
+        lines += shortops_lines(shortops)
     lines += ["", "## Notes", "", *(f"- {n}" for n in notes), "", "## Setup", ""]
     lines.append(info_block(info))
     return "\n".join(lines) + "\n"
@@ -544,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     benchmarks = {} if args.skip_benchmarks else run_benchmarks(dry, device, args.out, left, notes)
     frontier: list[dict] = benchmarks.get("frontier", [])
     offload: dict | None = benchmarks.get("offload")
+    shortops: dict | None = benchmarks.get("shortops")
     rows = [r for c in checks for r in c["rows"]]
     passed = sum(bool(r.get("ok")) for r in rows)
     notes.insert(0, f"{passed}/{len(rows)} rows met the target")
@@ -565,10 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     md = results_path(args.out, "gpu-check", "md", date, slug)
-    md.write_text(report(gpu, checks, frontier, notes, info, offload))
+    md.write_text(report(gpu, checks, frontier, notes, info, offload, shortops))
     md.with_suffix(".json").write_text(json.dumps(
         {"info": info, "checks": checks, "frontier": frontier, "offload": offload,
-         "notes": notes}, indent=1, default=str))  # fmt: skip
+         "shortops": shortops, "notes": notes}, indent=1, default=str))  # fmt: skip
     print(f"{passed}/{len(rows)} rows met the target; wrote {md}")
     return 0 if passed == len(rows) and rows else 1
 

@@ -70,11 +70,14 @@ def measure_contenders(
     repeats: int,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    clock: Callable[[], float] | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, Measured]:
     """Measure every contender's peak (untimed step), then time them all interleaved.
 
     Each contender gets its own model from ``build()`` (same seed, same weights),
-    installed once before timing and removed after.
+    installed once before timing and removed after. ``clock`` and ``sync`` go to
+    :func:`~gradckpt.measure.time_interleaved` (default: wall time, no sync).
     """
     if baseline not in contenders:
         raise ValueError(f"the baseline {baseline!r} is not among the contenders")
@@ -93,7 +96,7 @@ def measure_contenders(
             log(f"  peak {name:<28} {peak / MiB:10.1f} MiB (tensors {tracker_peak / MiB:.1f})"
                 f"  loss {loss:.6f}")  # fmt: skip
         log(f"  timing {len(steps)} contenders interleaved: {warmup} warm-up, {repeats} rounds")
-        timings = time_interleaved(steps, warmup=warmup, repeats=repeats)
+        timings = time_interleaved(steps, warmup=warmup, repeats=repeats, clock=clock, sync=sync)
         for name, timing in timings.items():
             results[name].timing = timing
             results[name].ratio = ratio(timing, timings[baseline])

@@ -154,13 +154,14 @@ def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward |
     for spec in specs.values():
         by_module.setdefault(module_path(spec.path), []).append(spec)
     clock = CallClock()  # shared by the model's shared modules: one step's calls
+    segmented = any(spec.segments for spec in specs.values())
     out: list[tuple[nn.Module, UnitForward | CallsForward]] = []
     for path, group in by_module.items():
         if len(group) == 1 and group[0].path == path:
-            out.append((group[0].module, make_wrapper(group[0], specs)))
+            out.append((group[0].module, make_wrapper(group[0], specs, segmented)))
             continue
         ordered = [specs[call_path(path, k, len(group))] for k in range(len(group))]
-        wrappers = [make_wrapper(spec, specs) for spec in ordered]
+        wrappers = [make_wrapper(spec, specs, segmented) for spec in ordered]
         out.append((group[0].module, CallsForward(path, wrappers, clock)))
     return out
 

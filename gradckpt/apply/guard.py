@@ -40,6 +40,7 @@ from gradckpt.apply.guard_routing import (
     ShapeError,
     ShapeGuard,
     ShapeStats,
+    quick_sig,
 )
 from gradckpt.planning.plans.call_key import as_written
 from gradckpt.profiling.adapters import Adapter, register_adapter
@@ -60,6 +61,7 @@ __all__ = [
     "install",
     "learning",
     "paused",
+    "quick_sig",
     "raised",
     "returned",
     "shape_stats",

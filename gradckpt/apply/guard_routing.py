@@ -53,7 +53,7 @@ from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, start
 from gradckpt.apply.guard_steps import ShapeError, StepCalls, StepRouting, arm
 from gradckpt.measure.memory import format_bytes
-from gradckpt.planning.plans.call_key import Key, ShapeKey, calls_of, shape_key
+from gradckpt.planning.plans.call_key import Key, ShapeKey, shape_key
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling.units import CALL_MARK
@@ -61,6 +61,30 @@ from gradckpt.profiling.units import CALL_MARK
 __all__ = ["POLICIES", "Planner", "Predictor", "ShapeError", "ShapeGuard", "ShapeStats"]
 
 POLICIES = ("replan", "warn", "error")
+
+_PLAIN = (bool, int, float, str, type(None))
+_KEYS_KEPT = 64  # quick signatures remembered (a training run meets a few shapes)
+
+
+def quick_sig(args: tuple, kwargs: dict) -> tuple | None:
+    """What a call's key reads, where reading it is cheap: plain tensors and plain values.
+
+    Equal signatures mean equal keys (the key reads a tensor's shape, dtype and
+    whether it takes a gradient, and a plain value itself); None for a call with
+    anything else (containers, subclasses, objects), which gets its full key.
+    A step calls its model with the same shapes again and again: building the key
+    each time cost more than the rest of the guard's work per call.
+    """
+    parts = []
+    for value in (*args, *kwargs.values()):
+        if type(value) is torch.Tensor:
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        elif type(value) in _PLAIN:
+            parts.append((type(value), value))
+        else:
+            return None
+    return (tuple(kwargs), *parts) if kwargs else tuple(parts)
+
 
 #: The (args, kwargs) of each model call of one step -> a plan for that step's shapes.
 Planner = Callable[[list[tuple[tuple, dict]]], Plan]
@@ -135,6 +159,9 @@ class ShapeGuard(StepRouting):
     owner: weakref.ref | None = None  # the model guarded (None: a copy, bound at its first call)
     _busy: threading.local = field(default_factory=threading.local)
     _steps: threading.local = field(default_factory=threading.local)  # .current: StepCalls
+    # Keys of recent calls by their quick signature: a call with the shapes of an earlier
+    # one has its key, without building it (see quick_sig). Cleared when it grows.
+    _keys: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -181,7 +208,17 @@ class ShapeGuard(StepRouting):
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
             return None  # eval, or our own profiling call of the model
         self.calls += 1
-        key = shape_key(args, kwargs)
+        quick = quick_sig(args, kwargs)
+        key = self._keys.get(quick) if quick is not None else None
+        if key is None:
+            key = shape_key(args, kwargs)
+            self._name_unread(key)  # once per argument: a key read before was named then
+            if key == self.active:
+                key = self.active  # one object: the usual call is then found by identity
+            if quick is not None:
+                if len(self._keys) >= _KEYS_KEPT:
+                    self._keys.clear()
+                self._keys[quick] = key
         step = getattr(self._steps, "current", None)
         if step is None or step.ended:
             if step is not None:
@@ -190,8 +227,6 @@ class ShapeGuard(StepRouting):
             step = self._steps.current = StepCalls()
         index = step.add(key, args, kwargs)
         try:
-            if self.calls == 1 or key != (self.active and calls_of(self.active)[0]):
-                self._name_unread(key)
             if index > 0:
                 self._later_call(step, index, key)
                 return None
@@ -211,10 +246,14 @@ class ShapeGuard(StepRouting):
         if not torch.is_grad_enabled() or getattr(self._busy, "on", False):
             return
         step = getattr(self._steps, "current", None)
-        if step is not None and not step.ended and not arm(step, out):
+        # The step's first call: the step ends with the backward through its outputs.
+        if step is not None and len(step.keys) == 1 and not step.ended and not arm(step, out):
             step.drop_last()  # nothing to backpropagate: not a call of a training step
 
     def _first_call(self, key: ShapeKey, args: tuple, kwargs: dict) -> Learning | None:
+        active = self.active
+        if active is key and not self.interim and key not in self.preferred:
+            return None  # the plan in use began at this key (the usual call)
         chosen = self._plan_for_first(key)
         if chosen is not None:
             if chosen != self.active or self.interim:

@@ -111,6 +111,11 @@ def arm(step: StepCalls, out: Any) -> bool:
     Returns False when nothing in ``out`` can be backpropagated (no tensor with a
     ``grad_fn``): the call is then no part of a training step.
     """
+    if type(out) is torch.Tensor:  # the usual output: no walk
+        if out.grad_fn is None:
+            return False
+        out.register_hook(_EndStep(step))
+        return True
     leaves, _ = tree_flatten(out)
     if hasattr(out, "values") and not leaves:  # a ModelOutput-like mapping
         leaves, _ = tree_flatten(list(out.values()))

@@ -41,7 +41,7 @@ class SegmentFrame(Frame):
             None,
             name=spec.name,
             compiled=any(u.body is not None for u in members),
-            state=lambda: [b for u in members for b in u.buffers()],
+            state=lambda: [u.module for u in members],
         )
         self.segment = spec
         self.units = units

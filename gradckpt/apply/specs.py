@@ -9,11 +9,11 @@ attribute ``forward`` (which is the wrapper itself).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from gradckpt.engine import dynamo
@@ -44,11 +44,36 @@ def fsdp_sharded(module: nn.Module) -> str | None:
     its last unit's backward) cannot rerun it. Recognized by class name, so
     ``torch.distributed`` is never imported here.
     """
-    for path, m in module.named_modules():
-        for cls in type(m).__mro__:
-            if cls.__name__ in _FSDP_CLASSES and cls.__module__.startswith("torch.distributed"):
-                return path
-    return None
+    if not _sharding_possible():
+        return None
+    stack = [module]
+    while stack:  # a plain walk first: segments run this at every forward
+        m = stack.pop()
+        if _sharding_class(type(m)):
+            break
+        stack.extend(c for c in m._modules.values() if c is not None)
+    else:
+        return None
+    return next(path for path, m in module.named_modules() if _sharding_class(type(m)))
+
+
+def _sharding_possible() -> bool:
+    """FSDP shards only within an initialized process group: without one, nothing to walk."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+_SHARDING: dict[type, bool] = {}  # module class -> whether it is (a subclass of) FSDP's
+
+
+def _sharding_class(cls: type) -> bool:
+    found = _SHARDING.get(cls)
+    if found is None:
+        found = _SHARDING[cls] = any(
+            c.__name__ in _FSDP_CLASSES and c.__module__.startswith("torch.distributed")
+            for c in cls.__mro__
+        )
+    return found
 
 
 def segment_error(name: str, path: str) -> str:
@@ -110,8 +135,9 @@ class UnitSpec:
         """Run the unit inside a region (forward or recompute): the same way both times."""
         return call_in_region(self, args, kwargs)
 
-    def buffers(self) -> list[torch.Tensor]:
-        return list(self.module.buffers())
+    def modules(self) -> tuple[nn.Module]:
+        """The module whose buffers the unit may write (a region's ``state``)."""
+        return (self.module,)
 
     def __getstate__(self) -> dict[str, Any]:
         # A compiled body closes over the original module: a copy (deepcopy,

@@ -54,7 +54,8 @@ from gradckpt.apply.specs import (
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.engine.holders import CheckpointError, active_frame
+from gradckpt.engine.decisions import Keep
+from gradckpt.engine.holders import CheckpointError, active_frame, region_stack
 
 __all__ = [
     "PlanPolicy",
@@ -79,9 +80,21 @@ class UnitForward:
     and ``torch.save`` give a model whose wrappers run *its* modules.
     """
 
-    def __init__(self, unit: UnitSpec, units: dict[str, UnitSpec]) -> None:
+    # (what a wrapper pickled before these attributes existed reads)
+    passthrough = False
+    segmented = True
+
+    def __init__(
+        self, unit: UnitSpec, units: dict[str, UnitSpec], segmented: bool | None = None
+    ) -> None:
         self.unit = unit
         self.units = units
+        if segmented is None:
+            segmented = any(u.segments for u in units.values())
+        # A kept unit outside every segment runs plainly wherever it is called, unless a
+        # segment is open around the call (then it is out of the planned order).
+        self.passthrough = type(unit.decision) is Keep and not unit.segments
+        self.segmented = segmented
         self.shape_checked = False
         self.root: RootGuard | None = None  # the model's guard, when the plan has segments
         self.active = True  # False once removed while another wrapper still calls this one
@@ -93,6 +106,17 @@ class UnitForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         unit = self.unit
         if not self.active:
+            return unit.plain(*args, **kwargs)
+        if (
+            self.passthrough
+            and unit.compiled is None
+            and (not self.segmented or open_segment(active_frame()) is None)
+        ):
+            # A kept unit where no segment is open runs plainly on every path of run()
+            # (in a region's forward or recompute, without grad, traced): only its shape
+            # check is left, so the plan costs nothing per call beyond it.
+            if unit.expected_shape is not None and not dynamo.is_compiling():
+                _check_unit_shape(self, args, kwargs)
             return unit.plain(*args, **kwargs)
         if dynamo.is_compiling():
             # Traced by Dynamo: a kept unit compiles with its caller; anything
@@ -120,9 +144,10 @@ class UnitForward:
                     segment.end(exc)
                 raise
             if segment is not None:
-                segment.note_output(out)
                 if segment.segment.paths[-1] == unit.path:
-                    segment.end()
+                    segment.end()  # no unit follows: nothing to hand over, nothing to note
+                else:
+                    segment.note_output(out)
             return out
         if unit.expected_shape is not None:
             _check_unit_shape(self, args, kwargs)
@@ -150,9 +175,12 @@ class OpaqueUnitForward(UnitForward):
     """A :class:`UnitForward` whose call Dynamo does not trace (see ``prepare_for_compile``)."""
 
 
-def make_wrapper(unit: UnitSpec, units: dict[str, UnitSpec]) -> UnitForward:
-    """The ``forward`` installed on ``unit.module``."""
-    return UnitForward(unit, units)
+def make_wrapper(
+    unit: UnitSpec, units: dict[str, UnitSpec], segmented: bool | None = None
+) -> UnitForward:
+    """The ``forward`` installed on ``unit.module`` (``segmented``: the plan has segments;
+    None works it out from ``units``)."""
+    return UnitForward(unit, units, segmented)
 
 
 def _first_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
@@ -233,7 +261,13 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        verdict = self.check(self.forward, args, kwargs)  # [shapes #9] may switch plans
+        # Every call is checked: the guard follows each step's calls (which one of the
+        # step this is), and reads a call with the last shapes from a small cache. Where
+        # Dynamo watches no frame, the plain functions (their disabled wrappers cost as
+        # much as they do).
+        watched = dynamo.frames_watched()
+        check = self.check if watched else shape_guard.check
+        verdict = check(self.forward, args, kwargs)  # [shapes #9] may switch plans
         learning = verdict if isinstance(verdict, shape_guard.Learning) else None
         if verdict is not None and learning is None and verdict is not self:
             return verdict(*args, **kwargs)  # the new plan's root runs this call
@@ -244,17 +278,18 @@ class RootGuard:
         try:
             out = self.forward(*args, **kwargs)
             completed = True
-            self.returned(self.forward, out)  # the guard follows the step's calls
+            # the guard follows the step's calls
+            (self.returned if watched else shape_guard.returned)(self.forward, out)
             return out
         except BaseException as exc:
             _close_segments_above(depth, exc)
-            self.raised(self.forward)
+            (self.raised if watched else shape_guard.raised)(self.forward)
             raise
         finally:
             roots.pop()
             if learning is not None:  # the units checked this call's shapes: the guard learns
                 self.finish(learning, completed)
-            if _close_segments_above(depth, None):
+            if len(region_stack()) > depth and _close_segments_above(depth, None):
                 raise CheckpointError(
                     "gradckpt: a planned segment was still open when the forward returned; "
                     "the forward did not call the segment's units in the planned order. "
@@ -312,16 +347,12 @@ def _running(root: RootGuard | None) -> bool:
 
 
 def _stack_depth() -> int:
-    from gradckpt.engine.holders import region_stack as _stack
-
-    return len(_stack())
+    return len(region_stack())
 
 
 def _close_segments_above(depth: int, exc: BaseException | None) -> bool:
-    from gradckpt.engine.holders import region_stack as _stack
-
     closed = False
-    stack = _stack()
+    stack = region_stack()
     while len(stack) > depth:
         frame, gid = stack[-1]
         if gid is not None or not isinstance(frame, SegmentFrame):

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradckpt.engine import dynamo
 from gradckpt.engine.frame import Frame
 from gradckpt.engine.holders import in_region_forward
+from gradckpt.engine.writes import module_state
 
 __all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
 
@@ -122,16 +123,36 @@ def run_checkpointed(
         # Nothing is saved under no_grad; inside another region's forward the
         # enclosing region recomputes this one anyway.
         return fn(*args, **kwargs)
-    flat, spec = tree_flatten((args, kwargs))
+    if not kwargs and all(_is_leaf(a) for a in args):
+        # The common call, block(x): pytree's walk costs more than the rest of the entry.
+        flat = list(args)
 
-    def body(inputs: list[Any]) -> Any:
-        call_args, call_kwargs = tree_unflatten(inputs, spec)
-        return fn(*call_args, **call_kwargs)
+        def body(inputs: list[Any]) -> Any:
+            return fn(*inputs)
 
+    else:
+        flat, spec = tree_flatten((args, kwargs))
+
+        def body(inputs: list[Any]) -> Any:
+            call_args, call_kwargs = tree_unflatten(inputs, spec)
+            return fn(*call_args, **call_kwargs)
+
+    if "state" not in options:
+        # A module's buffers are what it may write: known, they let the region
+        # recompute without a dispatch mode (gradckpt.engine.writes).
+        options["state"] = module_state(fn)
     frame = Frame(body, name=name or getattr(fn, "__name__", type(fn).__name__), **options)
     frame.save_inputs(flat)
     with frame.forward():
         return fn(*args, **kwargs)
+
+
+_LEAF_TYPES = (int, float, bool, str, type(None))
+
+
+def _is_leaf(x: Any) -> bool:
+    """A value pytree would not walk into: a tensor or a plain scalar."""
+    return isinstance(x, torch.Tensor) or type(x) in _LEAF_TYPES
 
 
 def checkpoint_sequential(
@@ -165,8 +186,14 @@ def checkpoint_sequential(
     bounds = [round(i * len(functions) / segments) for i in range(segments + 1)]
 
     def run(start: int, stop: int) -> Callable[[torch.Tensor], Any]:
+        part = functions[start:stop]
+        if all(isinstance(f, nn.Module) for f in part):
+            # A module: its region knows the buffers it may write, so it recomputes
+            # lean (gradckpt.engine.writes); calling it calls each module as before.
+            return nn.Sequential(*part)
+
         def segment(x: Any) -> Any:
-            for f in functions[start:stop]:
+            for f in part:
                 x = f(x)
             return x
 

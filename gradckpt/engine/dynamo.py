@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["eager", "eager_reason", "is_compiling", "loaded", "opaque"]
+__all__ = ["eager", "eager_reason", "frames_watched", "is_compiling", "loaded", "opaque"]
 
 
 def loaded() -> bool:
@@ -44,6 +44,19 @@ def loaded() -> bool:
 def is_compiling() -> bool:
     """True while Dynamo traces the calling code (never at run time)."""
     return torch.compiler.is_compiling()
+
+
+def frames_watched() -> bool:
+    """True while Dynamo traces or watches new Python frames here (a compiled caller runs).
+
+    Outside both, a Dynamo-disabled wrapper is pure cost: plain eager code may call
+    the function itself.
+    """
+    if not loaded():
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 def opaque(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
@@ -65,19 +78,55 @@ def opaque(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]
     return found
 
 
-@contextlib.contextmanager
-def eager() -> Iterator[None]:
-    """Run compiled callables eagerly inside the block (``force_eager`` stance)."""
+def eager() -> contextlib.AbstractContextManager[None]:
+    """Run compiled callables eagerly inside the block (``force_eager`` stance).
+
+    Entered by every region's forward and lean recompute: the stance is switched
+    through Dynamo's own setter (about a microsecond) where this torch has it, not
+    through ``torch.compiler.set_stance`` (about 15: a decorator-context object per
+    call); nothing happens when the stance already is ``force_eager``.
+    """
     if not loaded():
-        yield
-        return
+        return contextlib.nullcontext()
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    setter = getattr(frame, "_set_stance", None)
+    stance = getattr(frame, "_stance", None)
+    make = getattr(frame, "DynamoStance", None)
+    if setter is None or make is None or getattr(stance, "stance", None) is None:
+        return _public_eager()
+    if stance.stance == "force_eager":
+        return contextlib.nullcontext()
+    return _ForceEager(setter, make)
+
+
+class _ForceEager:
+    """The ``force_eager`` stance for a block, through Dynamo's own setter."""
+
+    __slots__ = ("make", "prior", "setter")
+
+    def __init__(self, setter: Callable[[Any], Any], make: Callable[[str], Any]) -> None:
+        self.setter, self.make, self.prior = setter, make, None
+
+    def __enter__(self) -> None:
+        try:
+            self.prior = self.setter(self.make("force_eager"))
+        except RuntimeError:
+            # Inside a frame Dynamo is evaluating (a graph break reached us without an
+            # opaque entry point): the stance cannot change here. Compiled code reached
+            # from here then runs compiled; the determinism check catches a forward and
+            # recompute that differ.
+            self.prior = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prior is not None:
+            self.setter(self.prior)
+
+
+@contextlib.contextmanager
+def _public_eager() -> Iterator[None]:
     try:
         stance = torch.compiler.set_stance("force_eager")
-    except RuntimeError:
-        # Inside a frame Dynamo is evaluating (a graph break reached us without
-        # an opaque entry point): the stance cannot change here. Compiled code
-        # reached from here then runs compiled; the determinism check catches
-        # a forward and recompute that differ.
+    except RuntimeError:  # inside a frame Dynamo is evaluating (see _ForceEager)
         yield
         return
     with stance:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from gradckpt.engine.holders import (
 from gradckpt.engine.inputs import KeptInputs
 from gradckpt.engine.modes import CacheEntry, OpLogMode, PolicyMode, RecomputeMode
 from gradckpt.engine.state import ReplayState, capture_state
+from gradckpt.engine.writes import StateFn, StateWatch
 
 __all__ = ["CheckpointError", "Frame", "active_frame", "in_region_forward", "tag"]
 
@@ -69,10 +70,14 @@ class Frame:
     A frame is opened with :meth:`begin` and closed with :meth:`end`, which may
     happen in different Python calls (a region spanning several blocks).
 
+    ``state()`` lists the modules whose buffers its body may write to, which
+    its recompute must leave as the forward left them: a frame that knows them
+    and keeps no op outputs recomputes with the saved-tensor hooks alone (the
+    lean path, :mod:`gradckpt.engine.writes`); one that does not recomputes
+    under :class:`~gradckpt.engine.modes.RecomputeMode`, which sees every op.
     ``compiled=True`` marks a body that calls ``torch.compile``d code, to be
     rerun compiled in the recompute (see :mod:`gradckpt.engine.dynamo`); such a
-    frame takes no policy, and ``state()`` lists the tensors its body may write
-    to (module buffers), which its recompute must leave as the forward left them.
+    frame takes no policy.
     """
 
     def __init__(
@@ -87,7 +92,7 @@ class Frame:
         name: str = "",
         context_fn: Callable[[], tuple[Any, Any]] | None = None,
         compiled: bool = False,
-        state: Callable[[], Iterable[torch.Tensor]] | None = None,
+        state: StateFn | None = None,
     ) -> None:
         if compiled and policy is not None:
             raise ValueError("a compiled region cannot take a policy (its ops are not dispatched)")
@@ -100,10 +105,12 @@ class Frame:
         self.name = name
         self.context_fn = context_fn
         self.compiled = compiled
-        self.state = state
         self.ran_compiled = False  # the forward ran compiled code: so must the recompute
-        self._state_versions: list[tuple[torch.Tensor, int]] = []
-        self._mutated: list[torch.Tensor] = []
+        self.watch = StateWatch(state) if state is not None else None
+        # The forward's writes were aimed at copies by an enclosing recompute's
+        # RecomputeMode, so the watch saw none of them: recompute per op as well.
+        self.forward_redirected = False
+        self.redirecting = False  # this frame's recompute runs under RecomputeMode now
         top = active_frame()
         # Opened during an enclosing region's recompute: holders come from it.
         self.parent: tuple[Frame, PassId] | None = (
@@ -159,8 +166,9 @@ class Frame:
                 stack.enter_context(forward_context)
             if self.compiled:
                 self.ran_compiled = dynamo.eager_reason() is None
-                if self.state is not None:
-                    self._state_versions = [(t, t._version) for t in self.state()]
+            if self.watch is not None:
+                self.forward_redirected = _redirecting_recompute_running()
+                self.watch.begin()
             region_stack().append((self, None))
             stack.callback(region_stack().pop)
         except BaseException:
@@ -175,10 +183,9 @@ class Frame:
             return
         exit_stack.close()
         self.producers = {}  # tag() names tensors of a running forward only
-        if self._state_versions:
+        if self.watch is not None:
             # What the forward wrote to (running statistics): its recompute must not.
-            self._mutated = [t for t, v in self._state_versions if t._version != v]
-            self._state_versions = []
+            self.watch.end()
         if exc is None:
             self.forward_completed = True
             if self._state is not None:
@@ -331,22 +338,28 @@ class Frame:
         stack.append((self, gid))
         if self.forward_log is not None:
             self.recompute_log = []
+        per_op = self._needs_recompute_mode()
         try:
             with contextlib.ExitStack() as ctx:
                 if self.ran_compiled:
                     self._check_compiled_recompute()
-                    ctx.enter_context(self._restoring_state())
+                if not per_op and self.watch is not None:
+                    # What the forward wrote to goes back once the recompute ends.
+                    ctx.enter_context(self.watch.restoring())
                 ctx.enter_context(self._state.replay())
                 ctx.enter_context(torch.enable_grad())
                 ctx.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(self._pack_recompute(gid), unpack)
                 )
-                if not self.ran_compiled:
+                if per_op:
                     # Dynamo runs compiled code eagerly under this mode: the
                     # recompute of an eager region stays eager.
                     ctx.enter_context(RecomputeMode(self))
+                    self.redirecting = True
                     if self.recompute_log is not None:
                         ctx.enter_context(OpLogMode(self.recompute_log))
+                elif not self.ran_compiled:
+                    ctx.enter_context(dynamo.eager())  # eager as its forward, without the mode
                 if self._recompute_context is not None:
                     # Innermost, as in torch: SAC's cached mode answers kept ops
                     # first; what it runs goes through RecomputeMode below it.
@@ -357,6 +370,7 @@ class Frame:
                 raise
             stopped = True
         finally:
+            self.redirecting = False
             stack.pop()
         count = self.counters.pop(gid)
         self.stops.pop(gid)
@@ -378,17 +392,23 @@ class Frame:
                 "and the backward."
             )
 
-    @contextlib.contextmanager
-    def _restoring_state(self) -> Iterator[None]:
-        # Compiled code writes to state inside its graph, where no dispatch mode
-        # can redirect the write: put back what the forward left instead.
-        kept = [(t, t.detach().clone()) for t in self._mutated]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for t, value in kept:
-                    t.copy_(value)
+    def _needs_recompute_mode(self) -> bool:
+        """Whether the recompute must see every op (else it runs on the hooks alone).
+
+        Per op: to replay kept outputs (a policy saved some, or ``tag``), to log
+        ops for ``debug``, or to aim writes at copies when the region's state is
+        not known (or its forward's writes were aimed so already). Compiled code
+        writes inside its graph, where no mode could aim them: its region always
+        restores its state instead.
+        """
+        if self.ran_compiled:
+            return False
+        return bool(
+            self.cache
+            or self.recompute_log is not None
+            or self.watch is None
+            or self.forward_redirected
+        )
 
     def _release(self, gid: PassId) -> None:
         """Forget backward pass ``gid`` (called when it ends)."""
@@ -408,6 +428,11 @@ class Frame:
             "compare the two op sequences.\n"
             f"Ops in the forward:\n  {fwd}\nOps in the recompute:\n  {rec}"
         )
+
+
+def _redirecting_recompute_running() -> bool:
+    """Whether a recompute under RecomputeMode runs on this thread (it aims writes at copies)."""
+    return any(gid is not None and frame.redirecting for frame, gid in region_stack())
 
 
 def _torch_toggle(name: str, explicit: bool | None, default: bool) -> bool:

@@ -10,19 +10,22 @@ NumPy's global ``np.random`` (when NumPy is loaded) are replayed the same way:
 a block that draws from them (random crops, token dropping, stochastic depth
 decided in Python) recomputes the same draws. Generators a block owns
 (``np.random.default_rng()``, ``random.Random()``) are its own business.
+Reading those two streams cheaply is :mod:`gradckpt.engine.host_rng`'s part.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
-import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
+from torch.utils._device import DeviceContext
+
+from gradckpt.engine.host_rng import NUMPY, PYTHON
 
 __all__ = ["ReplayState", "capture_state", "infer_device_type"]
 
@@ -69,12 +72,8 @@ def _autocast_settings(device_type: str) -> tuple[bool, torch.dtype, bool] | Non
 
 
 def _current_device_context() -> Any:
-    try:
-        from torch.overrides import _get_current_function_mode_stack
-        from torch.utils._device import DeviceContext
-    except ImportError:  # pragma: no cover - older torch
-        return None
-    for mode in reversed(_get_current_function_mode_stack()):
+    """The innermost ``torch.device(...)`` context in force, or None."""
+    for mode in reversed(_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return mode
     return None
@@ -94,45 +93,55 @@ class ReplayState:
     device_context: Any
     python_rng: Any = None
     numpy_rng: Any = None
-    #: The NumPy generator's raw words at capture (see _numpy_words), when they
-    #: alone tell whether the region drew: then the check after the forward
-    #: costs a microsecond instead of another full state read.
-    numpy_words: bytes | None = None
+    #: What tells, after the forward, whether the region drew from each host
+    #: stream (:mod:`gradckpt.engine.host_rng`; None: compare full states).
+    python_mark: Any = None
+    numpy_mark: Any = None
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the recompute under the forward's RNG, autocast and device context."""
         with contextlib.ExitStack() as stack:
             if self.preserve_rng:
-                # fork_rng forks nothing, not even the CPU RNG, for device_type
-                # "meta" (a meta tensor among the inputs): restore the CPU RNG here.
-                stack.callback(torch.set_rng_state, torch.get_rng_state())
-                stack.enter_context(
-                    torch.random.fork_rng(devices=self.devices, device_type=self.device_type)
-                )
-                torch.set_rng_state(self.cpu_rng)
-                module = _device_module(self.device_type)
-                for device, state in zip(self.devices, self.device_rngs):
-                    module.set_rng_state(state, device)
-                self._replay_host_rngs(stack)
-            for device_type, (enabled, dtype, cache) in self.autocast.items():
-                stack.enter_context(
-                    torch.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
-                )
+                self._replay_rngs(stack)
+            for device_type, settings in self.autocast.items():
+                # Entered only where it differs now (a recompute in backward runs
+                # outside the forward's autocast): the same settings either way.
+                if _autocast_settings(device_type) != settings:
+                    enabled, dtype, cache = settings
+                    stack.enter_context(
+                        torch.autocast(
+                            device_type, enabled=enabled, dtype=dtype, cache_enabled=cache
+                        )
+                    )
             if self.device_context is not None:
                 stack.enter_context(self.device_context)
             yield
 
+    def _replay_rngs(self, stack: contextlib.ExitStack) -> None:
+        # The forward's streams for the recompute; the caller's go back after it
+        # (what torch.random.fork_rng does, without its second CPU state copy).
+        cpu_now = torch.get_rng_state()
+        module = _device_module(self.device_type)
+        device_now = [module.get_rng_state(d) for d in self.devices]
+
+        def restore() -> None:
+            torch.set_rng_state(cpu_now)
+            for device, state in zip(self.devices, device_now):
+                module.set_rng_state(state, device)
+
+        stack.callback(restore)
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in zip(self.devices, self.device_rngs):
+            module.set_rng_state(state, device)
+        self._replay_host_rngs(stack)
+
     def _replay_host_rngs(self, stack: contextlib.ExitStack) -> None:
         # The caller's streams go back once the recompute ends.
-        if self.python_rng is not None:
-            stack.callback(random.setstate, random.getstate())
-            random.setstate(self.python_rng)
-        if self.numpy_rng is not None:
-            numpy_random = _numpy_random()
-            if numpy_random is not None:
-                stack.callback(numpy_random.set_state, numpy_random.get_state())
-                numpy_random.set_state(self.numpy_rng)
+        for stream, state in ((PYTHON, self.python_rng), (NUMPY, self.numpy_rng)):
+            if state is not None:
+                stack.callback(stream.set_state, stream.get_state())
+                stream.set_state(state)
 
     def forget_unused_host_rngs(self) -> None:
         """After the forward: drop host RNG states the region did not draw from.
@@ -141,16 +150,11 @@ class ReplayState:
         then skips the host replay (a NumPy state costs tens of microseconds to
         read or write).
         """
-        if self.python_rng is not None and random.getstate() == self.python_rng:
+        if self.python_rng is not None and not PYTHON.drew(self.python_rng, self.python_mark):
             self.python_rng = None
-        if self.numpy_rng is not None:
-            if self.numpy_words is not None:
-                unused = _numpy_words() == self.numpy_words
-            else:
-                unused = _same_numpy_state(_numpy_state(), self.numpy_rng)
-            if unused:
-                self.numpy_rng = None
-        self.numpy_words = None
+        if self.numpy_rng is not None and not NUMPY.drew(self.numpy_rng, self.numpy_mark):
+            self.numpy_rng = None
+        self.python_mark = self.numpy_mark = None
 
     def check_device_not_initialized_inside(self) -> None:
         """Raise if the forward initialized the device, whose RNG we therefore missed."""
@@ -165,12 +169,6 @@ class ReplayState:
                 "before the first checkpointed call (e.g. move the model to it), or pass "
                 "preserve_rng_state=False."
             )
-
-
-def _numpy_random() -> Any:
-    # Only a NumPy the program already imported: gradckpt never imports it.
-    numpy = sys.modules.get("numpy")
-    return getattr(numpy, "random", None) if numpy is not None else None
 
 
 def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayState:
@@ -188,7 +186,10 @@ def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayStat
         settings = _autocast_settings(kind)
         if settings is not None:
             autocast[kind] = settings
-    numpy_rng = _numpy_state() if preserve_rng else None
+    python_rng = python_mark = numpy_rng = numpy_mark = None
+    if preserve_rng:
+        python_rng, python_mark = PYTHON.capture()
+        numpy_rng, numpy_mark = NUMPY.capture()
     return ReplayState(
         preserve_rng=preserve_rng,
         device_type=device_type,
@@ -198,59 +199,8 @@ def capture_state(tensors: list[torch.Tensor], preserve_rng: bool) -> ReplayStat
         device_was_initialized=initialized,
         autocast=autocast,
         device_context=_current_device_context(),
-        python_rng=random.getstate() if preserve_rng else None,
+        python_rng=python_rng,
         numpy_rng=numpy_rng,
-        numpy_words=_words_telling_use(numpy_rng),
+        python_mark=python_mark,
+        numpy_mark=numpy_mark,
     )
-
-
-def _numpy_state() -> Any:
-    numpy_random = _numpy_random()
-    return numpy_random.get_state() if numpy_random is not None else None
-
-
-#: Bytes of NumPy's Mersenne Twister state struct: 624 32-bit words and an int position.
-_MT_STATE_BYTES = 624 * 4 + 4
-
-
-def _numpy_words() -> bytes | None:
-    """The raw state of NumPy's global generator, read in place (~1 us; get_state: ~30 us).
-
-    None when it cannot be read so (another NumPy layout or generator).
-    """
-    numpy_random = _numpy_random()
-    try:
-        address = numpy_random.mtrand._rand._bit_generator.ctypes.state_address
-    except Exception:  # any other NumPy: the full state is read instead
-        return None
-    import ctypes
-
-    return ctypes.string_at(address, _MT_STATE_BYTES)
-
-
-def _words_telling_use(state: Any) -> bytes | None:
-    """The raw words at capture, if comparing them later tells whether the region drew.
-
-    Every draw moves the Mersenne Twister, except a normal draw that takes the
-    Gaussian the legacy generator cached from the previous pair: so the words
-    tell only when no Gaussian is cached. They are checked against the full
-    state just read, so a layout other than the expected one is never trusted.
-    """
-    if state is None or len(state) != 5 or state[0] != "MT19937" or state[3]:
-        return None
-    words = _numpy_words()
-    if words is None:
-        return None
-    expected = state[1].astype("<u4").tobytes() + int(state[2]).to_bytes(4, "little", signed=True)
-    if sys.byteorder != "little" or words != expected:
-        return None
-    return words
-
-
-def _same_numpy_state(now: Any, then: Any) -> bool:
-    # Legacy state tuples: (name, key array, position, has_gauss, cached_gaussian).
-    if now is None or len(now) != len(then):
-        return False
-    if any(a != b for i, (a, b) in enumerate(zip(now, then)) if i != 1):
-        return False
-    return bool((now[1] == then[1]).all())

@@ -1,18 +1,26 @@
 """What gradckpt's own machinery costs per op, per saved tensor and per region.
 
-A checkpointed region does more than run its ops twice: its recompute runs
-under a Python dispatch mode (every op, kept or not, goes through it), a
-selective region's forward asks its policy about every op, each saved tensor
-goes through pack and unpack hooks (a holder in the forward, a refill in the
-recompute), and entering a region captures RNG and autocast state and installs
-hooks. On small ops these costs rival the ops themselves, and a planner that
-ignores them picks plans that are slower than predicted.
+A checkpointed region does more than run its ops twice: each saved tensor goes
+through pack and unpack hooks (a holder in the forward, a refill in the
+recompute), entering a region captures RNG and autocast state and installs
+hooks, and some regions run a Python dispatch mode on every op: a selective
+region's forward asks its policy about every op, and a recompute that replays
+kept outputs (or whose state is unknown) runs under ``RecomputeMode``. A
+region that needs none of that recomputes on the saved-tensor hooks alone (the
+lean path, :mod:`gradckpt.engine.writes`). On small ops these costs rival the
+ops themselves, and a planner that ignores them picks plans that are slower
+than predicted.
 
 :func:`engine_costs` measures them once per process and device on chains of
 tiny ops (where the kernels cost almost nothing), as differences between a
 plain and a checkpointed step, on :func:`~gradckpt.measure.timing.work_clock`
-(thread CPU time on the CPU: robust to other processes). The planner adds
-them to its predicted time (:mod:`gradckpt.planning.simulation.costs`).
+(thread CPU time on the CPU: robust to other processes). Each kind of engine
+event has its cost: a region, a saved tensor, an op of a lean recompute, an op
+under the recompute's dispatch mode, an op shown to a policy; and the host's
+time per op of a plain step (what a step of short ops is made of: dispatch,
+autograd, Python), which a fake profile for another device takes as the least
+an op costs there (:func:`gradckpt.profiling.fake.with_estimated_times`). The
+planner adds them to its predicted time (:mod:`gradckpt.planning.simulation.costs`).
 
 Tiny chains miss what a real block pays per op (ops with weights, views and
 more arguments cost the dispatch modes more, and a real block's Python runs
@@ -24,13 +32,18 @@ planner takes the policy's per-op cost from that unit when it has one
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from gradckpt.engine import checkpoint
+from gradckpt.engine.checkpoint import run_checkpointed
+from gradckpt.measure.flops import count_ops
 from gradckpt.measure.timing import low_estimate, work_clock
 
 __all__ = [
@@ -53,16 +66,23 @@ class EngineCosts:
     """
 
     region: float = 0.0  # entering and leaving a region, forward and one recompute
-    recompute_op: float = 0.0  # an op run (or replayed from the cache) in a recompute
+    recompute_op: float = 0.0  # an op run (or replayed) in a recompute under the dispatch mode
     policy_op: float = 0.0  # an op of a selective region's forward (the policy is asked)
     saved_tensor: float = 0.0  # a tensor saved inside a region: pack, refill, unpack
     device: str = ""
+    lean_op: float = 0.0  # an op run in a lean recompute (the saved-tensor hooks alone)
+    host_op: float = 0.0  # the host's time per op of a plain step of tiny ops
     # One of the model's own units, timed (seconds; "" and 0: not measured): its forward
     # as a region, and what a policy asked about each of its ops adds to it. The
     # planner's per-op policy cost comes from these.
     unit: str = ""
     unit_region: float = 0.0
     unit_policy: float = 0.0
+    # The same unit's step (forward and backward) plain and as a (lean) region, and its
+    # plain forward (0: not timed): the engine's real cost on it, which scales the chains'.
+    unit_step: float = 0.0
+    unit_region_step: float = 0.0
+    unit_forward: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,22 +101,21 @@ _ROUNDS, _STEPS = 5, 4
 _CACHE: dict[str, EngineCosts] = {}
 
 
-def _adds(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(k):
-            x = x + 1.0  # autograd saves nothing for it
-        return x.sin()  # one saved tensor: the region has something to recompute
+class _Chain(nn.Module):
+    """``k`` tiny ops: a module, so its region recomputes lean.
 
-    return chain
+    Adds (autograd saves nothing for them) and a closing sine (one saved tensor:
+    the region has something to recompute), or ``k`` sines (each saves its input).
+    """
 
+    def __init__(self, k: int, *, sines: bool = False) -> None:
+        super().__init__()
+        self.k, self.sines = k, sines
 
-def _sines(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(k):
-            x = x.sin()  # saves its input
-        return x
-
-    return chain
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.k):
+            x = x.sin() if self.sines else x + 1.0
+        return x if self.sines else x.sin()
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -105,7 +124,7 @@ def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return RECOMPUTE
 
 
-def _steps(fn: Callable, x: torch.Tensor) -> dict[str, Callable[[], None]]:
+def _steps(fn: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], None]]:
     """The step variants whose differences give the engine's costs for ``fn``."""
 
     def plain() -> None:
@@ -114,13 +133,19 @@ def _steps(fn: Callable, x: torch.Tensor) -> dict[str, Callable[[], None]]:
     def forward() -> None:  # what the recompute redoes: the forward with its graph
         fn(x).sum()
 
-    def region() -> None:
+    def region() -> None:  # a module's region: it recomputes lean
         checkpoint(fn, x).sum().backward()
 
-    def selective() -> None:
+    def per_op() -> None:  # a function's region (its state unknown): under the mode
+        checkpoint(lambda t: fn(t), x).sum().backward()
+
+    def selective() -> None:  # the policy keeps nothing: only its forward differs
         checkpoint(fn, x, policy=_recompute_all).sum().backward()
 
-    return {"plain": plain, "forward": forward, "region": region, "selective": selective}
+    return {
+        "plain": plain, "forward": forward, "region": region, "per_op": per_op,
+        "selective": selective,
+    }  # fmt: skip
 
 
 def _time_all(
@@ -155,9 +180,12 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     Three chains are timed plain, forward only and checkpointed: ``k`` adds and
     a sine (one saved tensor) for two ``k``, and ``k`` sines (``k`` saved
     tensors). A checkpointed step minus the plain step minus the forward it
-    redoes is ``region + ops * recompute_op + saved * saved_tensor``; the three
-    chains give the three unknowns. A selective region with a policy that
-    recomputes everything, minus the plain region, gives ``policy_op``.
+    redoes is ``region + ops * lean_op + saved * saved_tensor``; the three
+    chains give the three unknowns. The long chain checkpointed as a function
+    (recomputed under the dispatch mode) minus as a module gives what the mode
+    adds per op (``recompute_op`` is ``lean_op`` plus that); with a policy that
+    recomputes everything, minus the plain region, it gives ``policy_op``. The
+    plain step of the sines over the ops it runs gives ``host_op``.
 
     Example:
         >>> measure_engine_costs("cpu").recompute_op
@@ -165,14 +193,15 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
     where = torch.device(device)
     clock, sync = work_clock(where), _synchronizer(where)
     x = torch.ones(16, device=where, requires_grad=True)
-    short, long, sines = _adds(_SHORT), _adds(_LONG), _sines(_LONG)
+    short, long, sines = _Chain(_SHORT), _Chain(_LONG), _Chain(_LONG, sines=True)
     cases = {}
     for label, fn in (("short", short), ("long", long), ("sines", sines)):
         for kind, step in _steps(fn, x).items():
-            if kind != "selective" or label == "long":
+            if kind in ("plain", "forward", "region") or label == "long":
                 cases[f"{label}.{kind}"] = step
     with torch.random.fork_rng(devices=[]):
         t = _time_all(cases, clock, sync)
+        ops = sum(count_ops(cases["sines.plain"]).values())
     x.grad = None
 
     def extra(label: str) -> float:
@@ -184,17 +213,30 @@ def measure_engine_costs(device: str | torch.device = "cpu") -> EngineCosts:
         0.0, (extra("sines") - extra("short") - (_LONG - _SHORT - 1) * per_op) / (_LONG - 1)
     )
     region = max(0.0, extra("short") - saved - (_SHORT + 1) * per_op)
+    mode = max(0.0, (t["long.per_op"] - t["long.region"]) / (_LONG + 1))
     policy = max(0.0, (t["long.selective"] - t["long.region"]) / (_LONG + 1))
-    return EngineCosts(region, per_op, policy, saved, where.type)
+    host = t["sines.plain"] / max(1, ops)
+    return EngineCosts(
+        region, per_op + mode, policy, saved, where.type, lean_op=per_op, host_op=host
+    )
 
 
 @dataclass(frozen=True)
 class UnitTimes:
     """Seconds of a real unit's forward as a region, and what a policy asked about every
-    op adds to it."""
+    op adds to it; and, for a short unit, its step (forward and backward) plain and as a
+    region, and its plain forward (0: not timed)."""
 
     region: float
     policy: float
+    step: float = 0.0
+    region_step: float = 0.0
+    forward: float = 0.0
+
+
+#: A unit whose region forward takes longer than this is not timed as whole steps
+#: too: the engine's part of its step is below a percent, and a step costs seconds.
+_STEPS_UP_TO = 0.02
 
 
 def time_unit_regions(
@@ -211,6 +253,13 @@ def time_unit_regions(
     the rounds, on :func:`~gradckpt.measure.timing.work_clock`. The RNG is left as found;
     the caller restores anything else ``fn`` changes (buffers).
 
+    A module whose region forward is short (under 20 ms) is also timed as whole steps
+    (forward and the backward of its outputs' sum), plain and as a region (a module's:
+    recomputed lean), and as its plain forward: the region's step minus the plain one
+    minus the forward it reruns is what the engine costs on this unit, which the
+    planner compares with what the tiny chains predict for it. Gradients the steps
+    leave on ``fn``'s parameters are put back as they were.
+
     Example:
         >>> t = time_unit_regions(block, (x,), {})
         >>> t.policy / n_ops  # what asking a policy costs per op
@@ -226,9 +275,16 @@ def time_unit_regions(
         "policy": lambda: checkpoint(call, *args, policy=_recompute_all),
     }
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _grads_kept(fn):
         for once in cases.values():  # warm-up
             once()
+        start = clock()
+        cases["region"]()
+        if isinstance(fn, nn.Module) and clock() - start < _STEPS_UP_TO:
+            cases.update(_unit_steps(fn, args, kwargs))
+            for name in ("step", "region_step", "forward"):
+                samples[name] = []
+                cases[name]()  # warm-up
         for _ in range(rounds):
             for name, once in cases.items():
                 sync()
@@ -237,7 +293,44 @@ def time_unit_regions(
                 sync()
                 samples[name].append(clock() - start)
     t = {name: low_estimate(times) for name, times in samples.items()}
-    return UnitTimes(t["region"], t["policy"] - t["region"])
+    return UnitTimes(
+        t["region"], t["policy"] - t["region"],
+        t.get("step", 0.0), t.get("region_step", 0.0), t.get("forward", 0.0),
+    )  # fmt: skip
+
+
+def _unit_steps(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> dict[str, Callable[[], None]]:
+    def loss(out: Any) -> torch.Tensor | None:
+        parts = [
+            t.sum() for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+        ]  # fmt: skip
+        return torch.stack(parts).sum() if parts else None
+
+    def backward(out: Any) -> None:
+        total = loss(out)
+        if total is not None:
+            total.backward()
+
+    return {
+        "step": lambda: backward(module(*args, **kwargs)),
+        "region_step": lambda: backward(run_checkpointed(module, args, kwargs)),
+        "forward": lambda: loss(module(*args, **kwargs)),
+    }
+
+
+@contextlib.contextmanager
+def _grads_kept(fn: Any) -> Iterator[None]:
+    """Put the gradients of ``fn``'s parameters (a module's) back as they were."""
+    params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+    kept = [p.grad.clone() if p.grad is not None else None for p in params]
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, kept):
+            p.grad = grad
 
 
 def engine_costs(device: str | torch.device = "cpu") -> EngineCosts:

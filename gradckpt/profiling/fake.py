@@ -5,6 +5,14 @@ data, so the storages the recorder sees have their real sizes and nothing is
 allocated: a model too big for this machine can be profiled for memory. Op
 times cannot be measured; they are estimated from FLOPs and bytes moved
 (a roofline: the slower of compute and memory traffic).
+
+On an accelerator an op also costs the host the time to issue it (Python,
+dispatch, autograd, the launch): a few microseconds, more than the kernels of a
+short-op model take, and what a recompute of such ops costs. A fake profile for
+a device other than the CPU takes that time as the least an op costs
+(``host_op_seconds``: this machine's own per-op time on tiny ops unless the caller
+states it), records it in the profile and the plan (``plan.summary()`` says it),
+and prices the engine's events at this host's measured costs.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradckpt.measure.engine_costs import engine_costs
 from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
 
@@ -55,9 +64,10 @@ SPEEDS = {
 }
 
 
-def estimate_time(flops: int, nbytes: int, speed: DeviceSpeed) -> float:
-    """Seconds for an op doing ``flops`` and writing ``nbytes`` (reads are of the same order)."""
-    return max(flops / speed.flops_per_s, 2 * nbytes / speed.bytes_per_s)
+def estimate_time(flops: int, nbytes: int, speed: DeviceSpeed, host: float = 0.0) -> float:
+    """Seconds for an op doing ``flops`` and writing ``nbytes`` (reads are of the same order),
+    and at least ``host``, the host's time to issue it (see :func:`with_estimated_times`)."""
+    return max(host, flops / speed.flops_per_s, 2 * nbytes / speed.bytes_per_s)
 
 
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -183,13 +193,35 @@ def fake_device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def with_estimated_times(prof: Profile, device: torch.device) -> Profile:
-    """Op times from FLOPs and bytes (a fake step cannot be timed)."""
+def with_estimated_times(
+    prof: Profile, device: torch.device, host_op_seconds: float | None = None
+) -> Profile:
+    """Op times from FLOPs and bytes (a fake step cannot be timed).
+
+    For a device other than the CPU, no op takes less than ``host_op_seconds``, the
+    host's time to issue one (None: this machine's, measured on tiny ops,
+    :attr:`EngineCosts.host_op <gradckpt.measure.engine_costs.EngineCosts>`), and the
+    engine's events are priced at this host's measured costs.
+
+    Example:
+        >>> prof = with_estimated_times(fake_prof, torch.device("cuda"), host_op_seconds=8e-6)
+        >>> prof.host_op_seconds
+        8e-06
+    """
     speed = SPEEDS.get(device.type, SPEEDS["cuda"])
+    host = 0.0
+    costs = prof.engine_costs
+    if device.type != "cpu":
+        costs = replace(engine_costs("cpu"), device=device.type)  # the host's Python work
+        host = costs.host_op if host_op_seconds is None else float(host_op_seconds)
+        if host < 0:
+            raise ValueError(f"host_op_seconds must be >= 0, got {host_op_seconds!r}")
     ops = tuple(
         replace(
             op,
-            time=estimate_time(op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed),
+            time=estimate_time(
+                op.flops, sum(prof.storages[s].nbytes for s in op.outputs), speed, host
+            ),
         )
         for op in prof.ops
     )
@@ -208,6 +240,8 @@ def with_estimated_times(prof: Profile, device: torch.device) -> Profile:
         step_time=sum(op.time for op in ops),
         fake=True,
         device=device.type,
+        engine_costs=costs,
+        host_op_seconds=host,
     )
 
 

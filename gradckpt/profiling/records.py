@@ -198,6 +198,10 @@ class Profile:
     #: Repeated modules that hold the blocks discovery chose (finer blocks inside them
     #: covered their code): named by the budget error when the peak lies outside every unit.
     block_parents: tuple[str, ...] = ()
+    #: A fake profile for another device than this machine's CPU: the host's time per
+    #: op it assumed, the least any op costs there (0: none assumed; see
+    #: :func:`gradckpt.profiling.fake.with_estimated_times`).
+    host_op_seconds: float = 0.0
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -257,6 +261,7 @@ class Profile:
             step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
             blocks_note=data.get("blocks_note", ""),
             block_parents=tuple(data.get("block_parents", ())),
+            host_op_seconds=data.get("host_op_seconds", 0.0),
             version=data["version"],
         )
 

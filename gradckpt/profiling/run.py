@@ -77,6 +77,7 @@ def profile(
     fake: bool = False,
     device: str | torch.device | None = None,
     answer_scalars: bool = False,
+    host_op_seconds: float | None = None,
 ) -> Profile:
     """Measure one training step of ``model``: ops, sizes, times, what backward keeps.
 
@@ -106,6 +107,10 @@ def profile(
             (``.item()``) with placeholders instead of failing
             (:class:`~gradckpt.profiling.fake.AnsweredScalars`): for callers that
             check the plan on real steps.
+        host_op_seconds: with ``fake`` on a device other than the CPU (a GPU), the
+            host's time to issue one op, the least an op costs there (default: this
+            machine's per-op time on tiny ops, measured; the profile and its plans
+            state it). Short-op models are bound by it on a GPU.
 
     The model is profiled inside every registered adapter's preparation
     (:mod:`gradckpt.profiling.adapters`): the API, ``explain`` and the CLI all
@@ -124,7 +129,9 @@ def profile(
     # One profile at a time per process: torch's profiler and the RNG resets
     # between passes are process-wide (gradckpt.measure.exclusive).
     with MEASURING, adapters.preparing(model, fake=fake):
-        return _profile_prepared(model, loss_fn, blocks, repeats, fake, device, answer_scalars)
+        return _profile_prepared(
+            model, loss_fn, blocks, repeats, fake, device, answer_scalars, host_op_seconds
+        )
 
 
 def _profile_prepared(
@@ -135,6 +142,7 @@ def _profile_prepared(
     fake: bool,
     device: str | torch.device | None,
     answer_scalars: bool = False,
+    host_op_seconds: float | None = None,
 ) -> Profile:
     found = find_blocks(model, blocks)
     guard = StepState(model)
@@ -167,9 +175,8 @@ def _profile_prepared(
                 guard.reset()
                 passes = [run_pass(units, loss_fn, guard, plain=True)]
             fake_profile = assemble(model, units, forward_only, passes, 0.0)
-            return replace(
-                with_estimated_times(fake_profile, where), blocks_note=note, block_parents=parents
-            )
+            timed = with_estimated_times(fake_profile, where, host_op_seconds)
+            return replace(timed, blocks_note=note, block_parents=parents)
         where = device_of(model)
         with guard.watching_modules():  # buffers of modules outside the model, too
             units, note, parents = discovered()
@@ -182,8 +189,10 @@ def _profile_prepared(
                 passes.append(
                     run_pass(units, loss_fn, guard, plain=True, device=where, allocator=measured)
                 )
-            with capturing_call(units) as call:  # one block's arguments, to time it alone
-                step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
+        # Timed without the watch: a global hook on every module call counts in the step
+        # (an empty one: 4% of a short-op GPT's), and the passes above met every module.
+        with capturing_call(units) as call:  # one block's arguments, to time it alone
+            step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
     finally:
         guard.restore()
     real = with_unit_times(assemble(model, units, forward_only, passes, step_time), call)

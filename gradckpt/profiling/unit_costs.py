@@ -6,9 +6,11 @@ demo's GPT a plan of selective units ran 13 points slower than predicted
 (issue #31). So a profile captures the arguments of one call of the first
 block while it times the plain step, and afterwards times that block's forward
 on them as a region and as a selective region
-(:func:`~gradckpt.measure.engine_costs.time_unit_regions`). The seconds go into
-the profile's :class:`~gradckpt.measure.engine_costs.EngineCosts`; the planner
-turns them into the policy's per-op cost
+(:func:`~gradckpt.measure.engine_costs.time_unit_regions`), and a short block
+as whole steps too, plain and as a region. The seconds go into the profile's
+:class:`~gradckpt.measure.engine_costs.EngineCosts`; the planner turns them into
+the policy's per-op cost and into how much more (or less) than the chains the
+engine costs on this model's blocks
 (:func:`gradckpt.planning.simulation.costs.step_costs`).
 
 Like op times, a unit's times are kept for the process
@@ -117,8 +119,9 @@ def with_unit_times(profile: Profile, call: CapturedCall) -> Profile:
     if times is None:
         return profile
     costs = replace(
-        profile.engine_costs, unit=call.path, unit_region=times.region, unit_policy=times.policy
-    )
+        profile.engine_costs, unit=call.path, unit_region=times.region, unit_policy=times.policy,
+        unit_step=times.step, unit_region_step=times.region_step, unit_forward=times.forward,
+    )  # fmt: skip
     return replace(profile, engine_costs=costs)
 
 

@@ -130,3 +130,32 @@ def test_wild_blocks_quick_writes_report(tmp_path: Path) -> None:
         assert data["results"][name]["peak_bytes"] > 0
     assert "| target | wanted | measured | verdict |" in text
     assert data["extra"]["blocks_found"] == ["layers.0", "layers.1"]
+
+
+def test_engine_short_ops_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine", "--short-ops", "--quick", "--threads", "1",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text, data = _written(tmp_path, "engine-shortops")
+    for name in ("plain", "torch_full", "torch_sac", "gradckpt_full", "gradckpt_selective",
+                 "fit_least", "fit_midway", "fit_plain"):  # fmt: skip
+        assert f"`{name}`" in text
+        assert data["configs"]["short"]["results"][name]["peak_bytes"] > 0
+    assert "| target | wanted | measured [95% CI] | verdict |" in text
+    assert "| contender | plan | predicted | measured | error | verdict |" in text
+    # fit at the plain peak recomputes nothing; at its least peak it does.
+    plans = data["configs"]["short"]["plans"]
+    assert set(plans["fit_plain"]["units"].values()) == {"keep"}
+    assert set(plans["fit_least"]["units"].values()) != {"keep"}
+    again = tmp_path / "again"
+    saved = next(tmp_path.glob("engine-shortops-cpu-*.json"))
+    rerun = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine", "--short-ops", "--from-json", str(saved),
+         "--out", str(again)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _written(again, "engine-shortops")[0] == text

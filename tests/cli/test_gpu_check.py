@@ -56,11 +56,11 @@ def test_benchmark_table_names_functions_that_exist():
 
     titles = [b.title for b in gpu_check.BENCHMARKS]
     assert titles == [
-        "whole-step budget", "frontier benchmark", "offload contenders", "hf_models benchmark",
-        "tune benchmark", "compiled benchmark",
+        "whole-step budget", "short-op engine rows", "frontier benchmark", "offload contenders",
+        "hf_models benchmark", "tune benchmark", "compiled benchmark",
     ]
     assert callable(gpu_whole_step.run_whole_step_check)
-    assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note"}
+    assert {b.result for b in gpu_check.BENCHMARKS} == {"frontier", "offload", "note", "shortops"}
     for bench in gpu_check.BENCHMARKS:
         assert callable(bench.run) and bench.min_seconds_left > 0
     assert callable(frontier.run_model) and callable(offload_gpu.run_offload_contenders)
@@ -108,3 +108,21 @@ def test_the_compiled_stage_asks_compiled_py_for_a_few_cuda_contenders(tmp_path)
     assert compiled._sizes(args) is compiled.GPU
     dry = compiled.parser().parse_args(gpu_check.compiled_arguments(True, tmp_path))
     assert dry.quick and dry.device == "cpu"
+
+
+def test_the_short_op_rows_run_in_a_cpu_dry_run_and_render():
+    # The GPU run times them eagerly and as CUDA graphs; here the same code at tiny sizes.
+    from benchmarks import gpu_check
+    from benchmarks.shortops_gpu import run_shortops
+
+    data = run_shortops(True, "cpu", lambda line: None)
+    (short,) = data.values()
+    assert short["graphs"] == {"skipped": "CUDA graphs need a CUDA device (CPU dry run)"}
+    assert set(short["targets"]) == {
+        "gradckpt_full_over_torch_full", "gradckpt_selective_over_torch_sac",
+        "fit_plain_over_plain",
+    }
+    text = gpu_check.report("cpu-dry-run", [], [], [], {"date": "d", "dry_run": True},
+                            shortops=data)  # fmt: skip
+    assert "## The engine where ops are short" in text
+    assert "`gradckpt_selective`" in text and "CUDA graphs of the whole step" in text

@@ -144,16 +144,27 @@ def test_numpy_draws_are_replayed_whether_or_not_a_gaussian_is_cached():
     _numpy_draws_replayed(np, np.random.rand)
 
 
-def test_numpy_state_read_once_per_region_when_no_gaussian_is_cached(monkeypatch):
-    np = pytest.importorskip("numpy")
-    from gradckpt.engine import state as engine_state
-
-    if engine_state._numpy_words() is None:
-        pytest.skip("this NumPy's generator words cannot be read in place")
-    np.random.seed(4)  # nothing cached
+def _full_reads(monkeypatch, stream):
     reads = []
-    real = engine_state._numpy_state
-    monkeypatch.setattr(engine_state, "_numpy_state", lambda: reads.append(1) or real())
+    real = type(stream).get_state
+    monkeypatch.setattr(stream, "get_state", lambda: reads.append(1) or real(stream))
+    return reads
+
+
+@pytest.mark.parametrize("name", ["python", "numpy"])
+def test_host_state_is_read_in_full_only_when_it_moved_since_the_last_read(monkeypatch, name):
+    # Reading a full host RNG state costs 10-45 us; a region reads the stream's
+    # raw words instead (about 1 us) and reuses the last full read while they
+    # have not moved. After the forward, the words tell it drew nothing.
+    from gradckpt.engine import host_rng
+
+    if name == "numpy":
+        np = pytest.importorskip("numpy")
+        np.random.seed(4)  # nothing cached: the words tell every draw
+    stream = host_rng.PYTHON if name == "python" else host_rng.NUMPY
+    if stream.words() is None or stream.capture()[1] is None:
+        pytest.skip(f"this {name} generator's words cannot be read in place")
+    reads = _full_reads(monkeypatch, stream)
     frames = []
 
     def quiet(x):
@@ -161,8 +172,29 @@ def test_numpy_state_read_once_per_region_when_no_gaussian_is_cached(monkeypatch
         return x.sin()
 
     x = torch.randn(3, requires_grad=True)
-    out = gradckpt.checkpoint(quiet, x)
-    assert len(reads) == 1  # at capture only: the words told that nothing was drawn
-    assert frames[0]._state.numpy_rng is None
-    out.sum().backward()
-    assert len(reads) == 1  # and nothing is replayed
+    outs = [gradckpt.checkpoint(quiet, x) for _ in range(3)]
+    assert reads == []  # the words had not moved since the capture above
+    assert all(getattr(f._state, f"{name}_rng") is None for f in frames)
+    sum(o.sum() for o in outs).backward()
+    assert reads == []  # and nothing is replayed
+    draw = random.random if name == "python" else np.random.rand
+    draw()
+    gradckpt.checkpoint(quiet, x)
+    assert len(reads) == 1  # the stream moved: read once, at the capture
+
+
+def test_a_draw_that_takes_python_s_cached_gaussian_is_seen():
+    # random.gauss() draws two normals and keeps one in gauss_next; the next
+    # call takes it without moving the words, so the mark includes it.
+    random.seed(7)
+    random.gauss()
+
+    def draws(x):
+        return (x * random.gauss()).sin()  # sin saves its input: the recompute redraws
+
+    x = torch.randn(3, requires_grad=True)
+    state = random.getstate()
+    expected = torch.autograd.grad(draws(x).sum(), x)[0]
+    random.setstate(state)
+    (got,) = torch.autograd.grad(gradckpt.checkpoint(draws, x).sum(), x)
+    assert torch.equal(got, expected)

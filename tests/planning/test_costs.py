@@ -11,6 +11,7 @@ import torch
 import gradckpt
 from gradckpt.engine import frame as frame_module
 from gradckpt.engine import modes
+from gradckpt.measure import count_ops
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.timing import low_estimate
 from gradckpt.planning import Plan, UnitChoice, simulate
@@ -25,7 +26,8 @@ from .test_simulate import _shapes
 
 UNIT_COSTS = {
     "regions": EngineCosts(region=1.0),
-    "recompute_ops": EngineCosts(recompute_op=1.0),
+    "recompute_ops": EngineCosts(lean_op=1.0, recompute_op=1.0),  # every recomputed op
+    "mode_ops": EngineCosts(recompute_op=1.0),  # those under the recompute's dispatch mode
     "policy_ops": EngineCosts(policy_op=1.0),
     "saved_tensors": EngineCosts(saved_tensor=1.0),
 }
@@ -55,17 +57,29 @@ class _EngineEvents:
             def dispatch(self, func, types, args=(), kwargs=None):
                 if modes.counts_as_op(func):
                     counts[key] += 1
+                    if key == "mode_ops":
+                        counts["recompute_ops"] += 1
                 return original(self, func, types, args, kwargs)
 
             monkeypatch.setattr(cls, "__torch_dispatch__", dispatch)
 
-        counting(modes.RecomputeMode, "recompute_ops")
+        counting(modes.RecomputeMode, "mode_ops")
         counting(modes.PolicyMode, "policy_ops")
-        init, pack_recompute, pack_nested = (
+        init, pack_recompute, pack_nested, recompute = (
             frame_module.Frame.__init__,
             frame_module.Frame._pack_recompute,
             frame_module.Frame._pack_nested,
+            frame_module.Frame.recompute,
         )
+
+        def counted_recompute(self, gid):
+            # A lean recompute runs no mode of ours: count its ops from outside. One
+            # under RecomputeMode is counted by it (replayed outputs included).
+            if gid in self.recomputed or self._needs_recompute_mode():
+                return recompute(self, gid)
+            ops = count_ops(recompute, self, gid)
+            counts["recompute_ops"] += sum(ops.values())
+            return None
 
         def frame_init(self, *args, **kwargs):
             counts["regions"] += 1
@@ -85,6 +99,7 @@ class _EngineEvents:
             return pack_nested(self, x)
 
         monkeypatch.setattr(frame_module.Frame, "__init__", frame_init)
+        monkeypatch.setattr(frame_module.Frame, "recompute", counted_recompute)
         monkeypatch.setattr(frame_module.Frame, "_pack_recompute", recompute_hook)
         monkeypatch.setattr(frame_module.Frame, "_pack_nested", nested)
 
@@ -108,10 +123,13 @@ def test_counts_are_what_the_engine_does(zoo, name, monkeypatch):
 
 
 def test_engine_seconds_is_counts_times_costs():
-    counts = EngineCounts(regions=2, recompute_ops=10, policy_ops=5, saved_tensors=3)
-    costs = EngineCosts(region=1.0, recompute_op=0.1, policy_op=0.01, saved_tensor=0.001)
-    assert engine_seconds(counts, costs) == pytest.approx(2 + 1 + 0.05 + 0.003)
-    assert engine_seconds(counts + counts, costs) == pytest.approx(2 * 3.053)
+    counts = EngineCounts(regions=2, recompute_ops=10, policy_ops=5, saved_tensors=3, mode_ops=4)
+    costs = EngineCosts(
+        region=1.0, recompute_op=0.1, policy_op=0.01, saved_tensor=0.001, lean_op=0.0001
+    )
+    # 6 ops recomputed lean, 4 under the mode.
+    assert engine_seconds(counts, costs) == pytest.approx(2 + 0.0006 + 0.4 + 0.05 + 0.003)
+    assert engine_seconds(counts + counts, costs) == pytest.approx(2 * 2.4536)
 
 
 def test_dp_options_carry_the_engine_costs(zoo):

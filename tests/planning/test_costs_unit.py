@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from gradckpt.measure.engine_costs import EngineCosts
-from gradckpt.planning.simulation.costs import steady, step_costs
+from gradckpt.planning.simulation.costs import engine_seconds, region_counts, steady, step_costs
 
 
 def test_steady_puts_costs_on_a_grid_an_eighth_of_an_octave_apart():
@@ -57,3 +57,40 @@ def test_a_policy_timed_faster_than_none_costs_nothing_not_less(zoo):
     _, prof, _ = zoo.get("gpt")
     timed, _ = _with_unit(prof, 0.1, -0.001)  # noise: the policy's forward no slower
     assert step_costs(timed).policy_op == 0.0
+
+
+def _stepped(prof, engine: float):
+    """The profile with its block timed as steps, the engine's part of its region ``engine``."""
+    timed, block = _with_unit(prof, 0.0, 0.0)
+    step, forward = 0.01, 0.004
+    costs = dataclasses.replace(
+        timed.engine_costs, unit_step=step, unit_forward=forward,
+        unit_region_step=step + forward + engine,
+    )  # fmt: skip
+    return dataclasses.replace(timed, engine_costs=costs), block
+
+
+def test_the_timed_block_scales_the_chains_costs_to_what_its_region_really_cost(zoo):
+    # Issue #42: on real blocks (ops with weights and views) the chains' costs priced a
+    # region low; the block's region step minus its plain step and forward is its real
+    # engine cost, and the chains' region, tensor and per-op costs are scaled to it.
+    _, prof, _ = zoo.get("gpt")
+    timed, block = _stepped(prof, 0.0)
+    counts = region_counts(timed, block, policy=False)
+    chains = engine_seconds(counts, timed.engine_costs)
+    for share in (0.8, 1.5, 2.5):
+        scaled, _ = _stepped(prof, share * chains)
+        costs = step_costs(scaled)
+        assert costs.region == pytest.approx(steady(share * 1e-3))
+        assert costs.saved_tensor == pytest.approx(steady(share * 1e-5))
+    wild, _ = _stepped(prof, 40 * chains)  # a disturbed reading moves costs at most 4x
+    assert step_costs(wild).region == pytest.approx(steady(4e-3))
+    noise, _ = _stepped(prof, -0.001)  # a region step timed faster than plain: unscaled
+    assert step_costs(noise).region == pytest.approx(steady(1e-3))
+
+
+def test_a_short_block_is_timed_as_steps_at_profile_time(zoo):
+    _, prof, _ = zoo.get("gpt")
+    costs = prof.engine_costs
+    assert costs.unit and costs.unit_step > 0 and costs.unit_forward > 0
+    assert costs.unit_region_step > costs.unit_step  # its region reruns its forward

@@ -21,9 +21,12 @@ class EngineCounts:
     """
 
     regions: int = 0
-    recompute_ops: int = 0
+    recompute_ops: int = 0  # every op a recompute runs (or replays), up to its early stop
     policy_ops: int = 0
     saved_tensors: int = 0
+    #: Of ``recompute_ops``, those run under the recompute's dispatch mode (regions that
+    #: replay kept outputs); the others run on the saved-tensor hooks alone.
+    mode_ops: int = 0
 
     def __add__(self, other: EngineCounts) -> EngineCounts:
         return EngineCounts(
@@ -31,4 +34,5 @@ class EngineCounts:
             self.recompute_ops + other.recompute_ops,
             self.policy_ops + other.policy_ops,
             self.saved_tensors + other.saved_tensors,
+            self.mode_ops + other.mode_ops,
         )

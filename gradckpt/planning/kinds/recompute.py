@@ -59,7 +59,7 @@ class RecomputeHandler(KindHandler):
     def run(self, unit: Any, args: tuple, kwargs: dict, *, in_recompute: bool) -> Any:
         if unit.body is not None:
             return run_checkpointed(
-                unit.body, args, kwargs, name=unit.path, compiled=True, state=unit.buffers
+                unit.body, args, kwargs, name=unit.path, compiled=True, state=unit.modules
             )
         return run_checkpointed(unit.plain, args, kwargs, policy=unit.policy, name=unit.path)
 

@@ -21,7 +21,7 @@ _NUMBERS = {
     "baseline_step_time": "a number",
     "predicted_recompute_flops": "an int",
 }
-_OPTIONAL_NUMBERS = ("measured_overhead",)  # null when fit did not measure
+_OPTIONAL_NUMBERS = ("measured_overhead", "host_op_seconds")  # null: not measured, not assumed
 _OPTIONAL_INTS = ("measured_compiled_peak_bytes",)  # null unless fit(compile=True) measured
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
           "measured_overhead_range", "peak_level", "offload", "step", *_OPTIONAL_NUMBERS,

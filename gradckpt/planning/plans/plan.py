@@ -199,6 +199,9 @@ class Plan:
     #: training step (``optimizer=``, ``accumulation_steps=``); None: one micro-batch's
     #: forward and backward, the optimizer not counted.
     step: StepParts | None = None
+    #: Planned from a fake profile for another device: the host's time per op it took
+    #: as the least an op costs there (None: op times measured, or a CPU profile).
+    host_op_seconds: float | None = None
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -359,6 +362,11 @@ def plan_summary(plan: Plan) -> str:
         head.append(
             f"  measured compiled peak {format_bytes(plan.measured_compiled_peak_bytes)} "
             "(one compiled step, at the allocator)"
+        )
+    if plan.host_op_seconds is not None:
+        head.append(
+            f"  op times estimated (fake profile): at least {plan.host_op_seconds * 1e6:.1f} us "
+            "of host time per op assumed (gradckpt.profile(..., host_op_seconds=) states it)"
         )
     if plan.step is not None:
         head += plan.step.lines()

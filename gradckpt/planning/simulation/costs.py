@@ -5,8 +5,10 @@ times their measured unit costs (:class:`~gradckpt.measure.engine_costs.EngineCo
 
 * every region (a unit's region or a segment) is entered in the forward and
   once in the recompute: ``region`` each;
-* every op a recompute runs up to its early stop, kept outputs replayed
-  included, passes the recompute's dispatch mode: ``recompute_op`` each;
+* every op a recompute runs up to its early stop costs ``lean_op`` (the lean
+  path: the saved-tensor hooks alone), or ``recompute_op`` in a region that
+  replays kept outputs (a selective one), whose recompute runs every op, kept
+  ones included, through its dispatch mode;
 * every op of a selective region's forward is shown to its policy:
   ``policy_op`` each;
 * every tensor autograd saves inside a region goes through the pack hook in
@@ -85,15 +87,45 @@ def step_costs(profile: Profile) -> EngineCosts:
         >>> engine_seconds(counts, step_costs(prof))
     """
     costs = profile.engine_costs
-    costs = replace(costs, recompute_op=costs.recompute_op + untimed_per_op(profile))
     unit = next((u for u in profile.units if costs.unit and u.module_path == costs.unit), None)
+    scale = _unit_scale(profile, unit, costs) if unit is not None else 1.0
+    untimed = untimed_per_op(profile)
+    costs = replace(
+        costs, region=scale * costs.region, saved_tensor=scale * costs.saved_tensor,
+        recompute_op=scale * costs.recompute_op + untimed, lean_op=scale * costs.lean_op + untimed,
+    )  # fmt: skip
     if unit is not None and costs.unit_region > 0:
         policy = costs.unit_policy / (unit.end_op - unit.first_op)
         costs = replace(costs, policy_op=max(0.0, policy))
     return replace(
         costs, region=steady(costs.region), recompute_op=steady(costs.recompute_op),
         policy_op=steady(costs.policy_op), saved_tensor=steady(costs.saved_tensor),
+        lean_op=steady(costs.lean_op),
     )  # fmt: skip
+
+
+#: How far the timed unit may move the chains' costs: a unit's step is timed a few
+#: times on a possibly busy machine, and a wild reading must not set the plan.
+_SCALE_RANGE = (0.5, 4.0)
+
+
+def _unit_scale(profile: Profile, unit: UnitRecord, costs: EngineCosts) -> float:
+    """What the engine really costs on the timed unit over what the chains predict for it.
+
+    The unit's region step minus its plain step minus the forward its recompute reruns
+    is the engine's part (entry, saved tensors, hooks per op); the chains' costs price the
+    unit's events lower on real blocks (ops with weights and views: on the short-op GPT,
+    640 us measured against 420 us predicted per block). 1 when the unit was not timed
+    as steps.
+    """
+    if costs.unit_region_step <= 0:
+        return 1.0
+    measured = costs.unit_region_step - costs.unit_step - costs.unit_forward
+    chains = engine_seconds(region_counts(profile, unit, policy=False), costs)
+    if measured <= 0 or chains <= 0:
+        return 1.0
+    low, high = _SCALE_RANGE
+    return min(high, max(low, measured / chains))
 
 
 #: Steps of the grid engine costs are put on: 2 ** (1/8), about 9% apart.
@@ -120,12 +152,13 @@ def engine_seconds(counts: EngineCounts, costs: EngineCosts) -> float:
     """Seconds the engine adds for ``counts`` events at ``costs`` per event.
 
     Example:
-        >>> engine_seconds(EngineCounts(recompute_ops=10), EngineCosts(recompute_op=1e-5))
+        >>> engine_seconds(EngineCounts(recompute_ops=10), EngineCosts(lean_op=1e-5))
         0.0001
     """
     return (
         counts.regions * costs.region
-        + counts.recompute_ops * costs.recompute_op
+        + (counts.recompute_ops - counts.mode_ops) * costs.lean_op
+        + counts.mode_ops * costs.recompute_op
         + counts.policy_ops * costs.policy_op
         + counts.saved_tensors * costs.saved_tensor
     )
@@ -148,9 +181,11 @@ def plan_counts(
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
             total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
+        ops = max(0, stop - region.first_op) * region.repeats  # a chunked region: per slice
         total += EngineCounts(
-            recompute_ops=max(0, stop - region.first_op) * region.repeats,
+            recompute_ops=ops,
             saved_tensors=len(region.packs) * region.repeats,
+            mode_ops=ops if region.save else 0,  # kept outputs: replayed under the mode
         )
     return total
 
@@ -180,11 +215,13 @@ def region_counts(profile: Profile, unit: UnitRecord, *, policy: bool) -> Engine
         >>> region_counts(prof, prof.blocks[0], policy=True).policy_ops
     """
     packs = len(_packs_by_unit(profile).get(unit.index, ()))
+    ops = _stop(profile, unit) - unit.first_op
     return EngineCounts(
         regions=1,
-        recompute_ops=_stop(profile, unit) - unit.first_op,
+        recompute_ops=ops,
         policy_ops=unit.end_op - unit.first_op if policy else 0,
         saved_tensors=packs,
+        mode_ops=ops if policy else 0,  # a policy's region keeps outputs: replays them
     )
 
 

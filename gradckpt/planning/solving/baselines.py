@@ -66,6 +66,7 @@ def finish(
             ),
             peak_level=profile.peak_level,
             step=step_parts(profile, pred),
+            host_op_seconds=profile.host_op_seconds or None,
         ),
         pred,
     )

@@ -299,9 +299,9 @@ def with_engine_costs(model: ChainModel, profile: Profile) -> ChainModel:
             replace(o, time=o.time + engine_seconds(unit_counts(profile, unit, c), costs))
             for o, c in zip(stage.options, options)
         )
-        # Inside a segment's recompute the unit reruns whole, under the recompute's mode.
+        # Inside a segment's recompute the unit reruns whole, on the hooks alone (lean).
         rerun = replace(unit_counts(profile, unit, RECOMPUTE), regions=0)
-        rerun = replace(rerun, recompute_ops=unit.end_op - unit.first_op)
+        rerun = replace(rerun, recompute_ops=unit.end_op - unit.first_op, mode_ops=0)
         fwd_time = stage.fwd_time + engine_seconds(rerun, costs)
         stages.append(replace(stage, options=timed, fwd_time=fwd_time))
     return replace(model, chain=replace(model.chain, stages=tuple(stages)))

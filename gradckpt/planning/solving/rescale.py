@@ -90,7 +90,8 @@ class LengthScaling:
             if flops is None:
                 return None
             written = sum(storages[i].nbytes for i in op.outputs)
-            ops.append(replace(op, flops=flops, time=estimate_time(flops, written, speed)))
+            time = estimate_time(flops, written, speed, self.base.host_op_seconds)
+            ops.append(replace(op, flops=flops, time=time))
         units = tuple(
             replace(
                 u,

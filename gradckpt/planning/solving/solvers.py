@@ -100,6 +100,7 @@ def alike_in_time(profile: Profile, faster: Prediction, other: Prediction) -> bo
     differing = EngineCounts(
         abs(a.regions - b.regions), abs(a.recompute_ops - b.recompute_ops),
         abs(a.policy_ops - b.policy_ops), abs(a.saved_tensors - b.saved_tensors),
+        abs(a.mode_ops - b.mode_ops),
     )  # fmt: skip
     band = KERNEL_NOISE * abs(kernels) + ENGINE_NOISE * engine_seconds(
         differing, step_costs(profile)
@@ -219,7 +220,10 @@ def _timeless(profile: Profile) -> Profile:
         replace(
             op,
             time=estimate_time(
-                op.flops, sum(profile.storages[s].nbytes for s in op.outputs), speed
+                op.flops,
+                sum(profile.storages[s].nbytes for s in op.outputs),
+                speed,
+                profile.host_op_seconds,
             ),
         )
         for op in profile.ops
