@@ -19,6 +19,7 @@ from gradckpt.engine import (
     SAVE,
     TAG,
     CheckpointError,
+    Chunk,
     Decision,
     Keep,
     Offload,
@@ -28,6 +29,7 @@ from gradckpt.engine import (
     Selective,
     checkpoint,
     checkpoint_sequential,
+    chunked_cross_entropy,
     tag,
 )
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
@@ -47,6 +49,7 @@ __all__ = [
     "TAG",
     "BudgetError",
     "CheckpointError",
+    "Chunk",
     "Decision",
     "FrontierPoint",
     "Keep",
@@ -72,6 +75,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "chunked_cross_entropy",
     "compile",
     "compile_stats",
     "explain",

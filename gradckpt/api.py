@@ -30,6 +30,7 @@ from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import applied_plan, apply, install_guarded
 from gradckpt.apply.running import call_running
 from gradckpt.planning.explaining.explain import Explanation
+from gradckpt.planning.kinds.chunk.handler import allow_chunking
 from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
 from gradckpt.planning.plans.plan import Plan
@@ -108,6 +109,7 @@ def plan(
     optimizer: Any = None,
     accumulation_steps: int = 1,
     set_to_none: bool = True,
+    chunking: bool = True,
 ) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
 
@@ -147,6 +149,10 @@ def plan(
         accumulation_steps: micro-batches per optimizer step; from the second on the
             gradients are resident through forward and backward.
         set_to_none: False when gradients are zeroed in place (resident always).
+        chunking: let an LM head and the cross-entropy after it run in slices of
+            tokens, each recomputed (``Chunk`` in the plan), where that pays under the
+            budget: the logits are never whole. Exact up to the order of
+            floating-point sums; False keeps plans bit for bit as without it.
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
@@ -168,14 +174,17 @@ def plan(
     )
     offload_opts = _offload_for(offload, solver)
     held = held_bytes(model, optimizer)
-    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
+    options = PlanOptions(
+        blocks, solver, repeats, profile, segments, offload_opts, step, held, bool(chunking)
+    )
     if shapes is None and profile is not None:  # plans from the profile: loss_fn never runs
         whole = with_training_step(profile, step)
-        planner = Planner(whole, segments=segments, offload=offload_opts)
+        planner = Planner(whole, segments=segments, offload=offload_opts, chunking=chunking)
         return annotated(planner.plan(budget, solver), device)
-    if shapes is None:  # profiled within the budget (never the plain step above it)
-        return annotated(api_shapes.plan_fitted(model, loss_fn, budget, options)[1], device)
-    fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
+    with allow_chunking(options.chunking):
+        if shapes is None:  # profiled within the budget (never the plain step above it)
+            return annotated(api_shapes.plan_fitted(model, loss_fn, budget, options)[1], device)
+        fitted, first, _ = api_shapes.plan_fitted(model, loss_fn, budget, options)
     first = annotated(first, device)
     if fitted is None:
         raise ValueError(
@@ -213,6 +222,7 @@ def fit(
     optimizer: Any = None,
     accumulation_steps: int = 1,
     set_to_none: bool = True,
+    chunking: bool = True,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
 
@@ -250,7 +260,9 @@ def fit(
             costs. The plan records ``measured_overhead`` next to
             ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
-        blocks, solver, repeats, profile, segments, offload: as for :func:`plan`.
+        blocks, solver, repeats, profile, segments, offload, chunking: as for
+            :func:`plan`. Under ``compile`` plans do not chunk (chunked slices run on the
+            eager engine: fit without ``compile`` to chunk).
         optimizer, accumulation_steps, set_to_none: the whole training step, as for
             :func:`plan`: pass the optimizer you train with, and the budget is your
             device's memory (``budget="auto"`` reads it).
@@ -305,12 +317,16 @@ def fit(
         model, budget, optimizer, accumulation_steps, set_to_none
     )
     held = held_bytes(model, optimizer)
-    options = PlanOptions(blocks, solver, repeats, profile, segments, offload_opts, step, held)
+    chunking = bool(chunking) and not compile  # slices run on the eager engine
+    options = PlanOptions(
+        blocks, solver, repeats, profile, segments, offload_opts, step, held, chunking
+    )
     handling = ShapeHandling(on_new_shape, loss_from, round_up, seq_dim, rescale)
     with adapters.training(model):  # transformers: use_cache off for training, said once
-        fitted, chosen, prof = api_shapes.plan_fitted(
-            model, loss_fn, budget, options, measure_candidates
-        )
+        with allow_chunking(chunking):  # candidates measured by kind see it too
+            fitted, chosen, prof = api_shapes.plan_fitted(
+                model, loss_fn, budget, options, measure_candidates
+            )
         chosen = annotated(chosen, device)
         if fitted is None:
             warnings.warn(
@@ -344,7 +360,7 @@ def fit(
         from gradckpt.compiled.hold import compile_within_budget
 
         # Tighter plans come from the same profile (segments as plan_fitted allowed them).
-        tighter = Planner(prof, segments=segments and fitted is not None)
+        tighter = Planner(prof, segments=segments and fitted is not None, chunking=False)
         kwargs = compile if isinstance(compile, dict) else {}
         chosen = compile_within_budget(model, loss_fn, chosen, tighter, solver, put, **kwargs)
         if fitted is not None:
@@ -361,6 +377,7 @@ def frontier(
     repeats: int = 3,
     profile: Profile | None = None,
     offload: bool | OffloadOptions = False,
+    chunking: bool = True,
 ) -> list[FrontierPoint]:
     """The memory-time Pareto curve, from the least feasible peak to the plain step.
 
@@ -375,7 +392,8 @@ def frontier(
     check_arguments(model, loss_fn, blocks=blocks, repeats=repeats, profile=profile)
     options = PlanOptions(blocks=blocks, repeats=repeats, profile=profile)
     offload_opts = _offload_for(offload, "dp")
-    return Planner(_profile(model, loss_fn, options), offload=offload_opts).frontier(points)
+    planner = Planner(_profile(model, loss_fn, options), offload=offload_opts, chunking=chunking)
+    return planner.frontier(points)
 
 
 def explain(
@@ -386,6 +404,7 @@ def explain(
     budget: int | float | str | None = None,
     blocks: BlockSpec = None,
     offload: bool | OffloadOptions = False,
+    chunking: bool = True,
 ) -> Explanation:
     """Every storage the step keeps for backward, why, the totals and the peak.
 
@@ -398,6 +417,7 @@ def explain(
         blocks: block paths or predicate, passed to the profiler.
         offload: with ``budget``, plan with offload too (see :func:`plan`);
             offloaded units say what moves, when, and what the link costs.
+        chunking: with ``budget``, as for :func:`plan`.
 
     Returns:
         An :class:`~gradckpt.planning.explaining.explain.Explanation`: ``rows``, ``units``,
@@ -418,4 +438,4 @@ def explain(
         if plan is None and budget is None:
             plan = applied_plan(model_or_profile)
         prof = profile_step(model_or_profile, loss_fn, blocks=blocks, repeats=1)
-    return Planner(prof, offload=offload_opts).explain(budget, plan)
+    return Planner(prof, offload=offload_opts, chunking=chunking).explain(budget, plan)

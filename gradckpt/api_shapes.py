@@ -74,6 +74,8 @@ class PlanOptions:
     step: TrainingStep | None = None
     #: Gradients and optimizer state that exist already (beside a real profile's step).
     held_bytes: int = 0
+    #: Whether plans may chunk the head and its loss (``Chunk``); False: bit for bit plain.
+    chunking: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def plan_fitted(
         # The step never runs the model's own forward (a trainer calling its parts):
         # a segment opens only inside that forward, so plan unit by unit.
         segments = False
-    planner = Planner(prof, segments=segments, offload=options.offload)
+    planner = Planner(prof, segments=segments, offload=options.offload, chunking=options.chunking)
     budget_bytes = planner.budget_bytes(budget)
     try:
         chosen = planner.plan(budget_bytes, options.solver)
@@ -147,7 +149,9 @@ def plan_fitted(
         _see_call(model, recording)
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = Planner(prof, segments=False, offload=options.offload).plan(
+            chosen = Planner(
+                prof, segments=False, offload=options.offload, chunking=options.chunking
+            ).plan(
                 budget_bytes, options.solver
             )
     fitted = replace(replan.step_call(calls), profile=prof, plan=chosen) if calls else None
@@ -206,7 +210,9 @@ def shape_planner(
 
     def planner_for(prof: Profile) -> Planner:
         whole = with_training_step(with_measured_workspace(prof, fitted.profile), options.step)
-        return Planner(whole, segments=options.segments, offload=options.offload)
+        return Planner(
+            whole, segments=options.segments, offload=options.offload, chunking=options.chunking
+        )
 
     tail: list[tuple[int, int]] = []  # (bytes, plain activations) of the replay at the fitted call
 
@@ -251,7 +257,10 @@ def shape_planner(
         if fitted.profile is None:
             raise RuntimeError("no fitted profile to take the leanest plan from")
         if not leanest:
-            planner = Planner(fitted.profile, segments=options.segments, offload=options.offload)
+            planner = Planner(
+                fitted.profile, segments=options.segments, offload=options.offload,
+                chunking=options.chunking,
+            )  # fmt: skip
             leanest.append(planner.least_peak()[0])
         step = replan.step_at(model, call, loss_from)
         return measured_at_shape(model, step, leanest[0], budget_bytes, fitted.profile)
@@ -359,7 +368,9 @@ def for_the_running_call(
     assert chosen.budget_bytes is not None
     try:
         # The DP's plan: a segment baseline (sqrt) has no form without segments.
-        interim = Planner(prof, segments=False, offload=options.offload).plan(
+        interim = Planner(
+            prof, segments=False, offload=options.offload, chunking=options.chunking
+        ).plan(
             chosen.budget_bytes, "dp"
         )
     except BudgetError as exc:

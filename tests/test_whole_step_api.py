@@ -66,7 +66,10 @@ def test_fit_holds_the_whole_step_from_planning_to_the_5th_step(name, k):
     assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (
         plan.predicted_peak_bytes, measured)  # fmt: skip
     assert plan.step.optimizer.startswith("AdamW") and plan.step.accumulation_steps == k
-    assert losses == plain_losses  # checkpointing changed memory, not the training
+    if any(u.mode == "chunk" for u in plan.units):  # a chunked loss: sums in another order
+        assert losses == pytest.approx(plain_losses, rel=1e-5, abs=0)
+    else:
+        assert losses == plain_losses  # checkpointing changed memory, not the training
 
 
 def test_plan_then_apply_holds_it_with_gradients_never_set_to_none():

@@ -143,6 +143,14 @@ def _offload_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _chunking_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-chunking", dest="chunking", action="store_false",
+        help="never run the LM head and its loss in slices of tokens (plans keep, recompute, "
+        "select and offload only, bit for bit as the plain step)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
     from gradckpt.planning.solving.solvers import SOLVERS
@@ -202,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated module paths of the repeated blocks (default: found automatically)",
     )  # fmt: skip
     est.add_argument("--json", action="store_true", help="print JSON only (machine-readable)")
+    _chunking_flag(est)
     _common(est)
 
     plan = sub.add_parser(
@@ -233,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dp (default, the least recompute) or a hand-placed baseline, for comparison",
     )  # fmt: skip
     _offload_flags(plan)
+    _chunking_flag(plan)
     _common(plan)
 
     exp = sub.add_parser(
@@ -252,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one line per unit instead of one per tensor",
     )  # fmt: skip
     _offload_flags(exp)
+    _chunking_flag(exp)
     _common(exp)
 
     from gradckpt.cli.tune import add_parser as add_tune

@@ -80,7 +80,8 @@ def run_plan(args: argparse.Namespace, out: Out) -> int:
     # budget the breakdown shows even when nothing more is counted, as the library's does.
     step = training_step(target, args, always=device is not None)
     prof = with_training_step(raw, step)
-    planner = Planner(prof)  # the chain and DP, built once for every question below
+    # the chain and DP, built once for every question below
+    planner = Planner(prof, chunking=args.chunking)
     budget = device.budget_bytes if device is not None else args.budget
     plan = plan_for(planner, budget, args.solver, target.name, offload)
     least = least_peak(planner)
@@ -159,6 +160,7 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
             solver=args.solver, blocks=_blocks(args), offload=offload_from_args(args) or False,
             optimizer=None if args.optimizer == "none" else args.optimizer,
             accumulation_steps=args.accumulation, set_to_none=not args.zero_grads,
+            chunking=args.chunking,
         )  # fmt: skip
     except BudgetError as e:
         raise CliError(f"--shapes: {str(e).splitlines()[0]}") from e
@@ -181,7 +183,7 @@ def run_explain(args: argparse.Namespace, out: Out) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CliError(f"cannot read the plan {args.plan!r}: {e}") from e
     target, prof = _target_and_profile(args, out)
-    planner = Planner(prof)
+    planner = Planner(prof, chunking=args.chunking)
     if args.budget is not None:
         plan = plan_for(planner, args.budget, "dp", target.name, offload_from_args(args))
     try:

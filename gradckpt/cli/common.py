@@ -262,6 +262,18 @@ def describe_plan(plan: Plan) -> str:
     return ", ".join(parts) or "all kept (no checkpointing)"
 
 
+def chunk_lines(plan: Plan) -> list[str]:
+    """One line per unit the plan chunks: what runs in slices, and what that costs."""
+    from gradckpt.engine.decisions import Chunk
+
+    return [
+        f"{u.path} and the loss after it run in {u.decision.chunks} slices of tokens (logits "
+        "never whole; recomputed once in backward; exact up to the order of sums)"
+        for u in plan.units
+        if isinstance(u.decision, Chunk)
+    ]
+
+
 def plan_units_table(out: Out, explanation: Explanation, title: str | None = None) -> None:
     """Per unit: the plan's decision, bytes kept and recomputed, recompute time."""
     rows = []

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gradckpt.cli.common import (
+    chunk_lines,
     describe_plan,
     device_budget,
     ms,
@@ -155,7 +156,7 @@ def run_estimate(args: argparse.Namespace, out: Out) -> int:
     raw = profile_target(target, out, fake=True, device=args.device, blocks=blocks, repeats=1)
     step = training_step(target, args, always=True)
     whole = with_training_step(raw, step)
-    planner = Planner(whole)
+    planner = Planner(whole, chunking=args.chunking)
     plain = finish(whole, none_plan(whole), None, "none")[0]
     leanest = planner.least_peak()[0]
     params = _params(target.model)
@@ -191,6 +192,10 @@ def _jsonable(plan: Any) -> dict[str, Any]:
         **plan.step.to_json(), "total_bytes": plan.step.total,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_overhead": plan.predicted_overhead, "plan": describe_plan(plan),
+        "chunked": [
+            {"path": u.path, "chunks": u.decision.chunks} for u in plan.units
+            if u.mode == "chunk"
+        ],
     }  # fmt: skip
 
 
@@ -259,6 +264,8 @@ def _print(out: Out, args, target, raw, data, plain, leanest, params: Params) ->
         f"{pct(leanest.predicted_overhead)} step time) and {format_bytes(plain.step.total)} "
         "(none)"
     )
+    for line in chunk_lines(leanest):
+        out.print(f"leanest plan chunks: {line}")
     if data["optimizer_step_peak_bytes"] is not None:
         out.print(
             f"the optimizer step itself peaks at {format_bytes(data['optimizer_step_peak_bytes'])} "
@@ -341,10 +348,16 @@ def _print_budget(out: Out, args, target, budget: dict[str, Any], plain, leanest
         f"{format_bytes(chosen['predicted_peak_bytes'])}, overhead {pct(chosen['predicted_overhead'])}, "
         f"set by the {chosen['phase']}"
     )
+    for chunked in chosen.get("chunked", ()):
+        out.print(
+            f"    {chunked['path']} and its loss in {chunked['chunks']} slices of tokens "
+            "(logits never whole; exact up to the order of sums)"
+        )
     flags = [f"--optimizer {args.optimizer}"] if args.optimizer != "none" else []
     flags += [f"--accumulation {args.accumulation}"] if args.accumulation > 1 else []
     flags += ["--zero-grads"] if args.zero_grads else []
     flags += [f"--device {args.device}"] if args.device != "cpu" else []
+    flags += [] if args.chunking else ["--no-chunking"]
     out.print(
         f"  write it: gradckpt plan {target.name} --fake --budget '{args.budget}' "
         f"{' '.join(flags)}".rstrip()

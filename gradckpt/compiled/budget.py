@@ -46,6 +46,7 @@ from gradckpt.compiled.in_graph import compile as compile_planned
 from gradckpt.compiled.in_graph import uncompile
 from gradckpt.compiled.knapsack import SavedBytesSolver, saved_bytes_config
 from gradckpt.planning import Plan
+from gradckpt.planning.kinds.chunk.handler import allow_chunking
 from gradckpt.planning.solve import solve
 from gradckpt.planning.solving.budget import BudgetError, parse_budget
 from gradckpt.profiling import profile as make_profile
@@ -199,7 +200,8 @@ def measure_points(
         for fraction in fractions:
             try:
                 budget = parse_budget(float(fraction), prof.measured_peak_bytes)
-                plan = solve(view, budget, "dp", segments=True)
+                with allow_chunking(False):  # the compiled graph runs no chunked slices
+                    plan = solve(view, budget, "dp", segments=True)
             except BudgetError:
                 continue  # below what any plan reaches
             if plan.items in seen:

@@ -1,10 +1,12 @@
 """Layer 1: the recompute mechanism (non-reentrant, on ``saved_tensors_hooks``)."""
 
 from gradckpt.engine.checkpoint import checkpoint, checkpoint_sequential
+from gradckpt.engine.chunking import chunked_cross_entropy
 from gradckpt.engine.decisions import (
     RECOMPUTE,
     SAVE,
     TAG,
+    Chunk,
     Decision,
     Keep,
     Offload,
@@ -22,6 +24,7 @@ __all__ = [
     "SAVE",
     "TAG",
     "CheckpointError",
+    "Chunk",
     "Decision",
     "Frame",
     "Keep",
@@ -33,6 +36,7 @@ __all__ = [
     "active_frame",
     "checkpoint",
     "checkpoint_sequential",
+    "chunked_cross_entropy",
     "counts_as_op",
     "in_region_forward",
     "tag",

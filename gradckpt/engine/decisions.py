@@ -29,6 +29,7 @@ __all__ = [
     "RECOMPUTE",
     "SAVE",
     "TAG",
+    "Chunk",
     "Decision",
     "Keep",
     "Offload",
@@ -67,6 +68,8 @@ class Decision:
     kind: ClassVar[str] = ""
     #: Non-empty when gradckpt cannot carry out this kind yet: says why and what to do.
     unavailable: ClassVar[str] = ""
+    #: The plan-file version a plan holding this kind is written as (see ``Plan.to_json``).
+    plan_version: ClassVar[int] = 1
 
     def to_json(self) -> dict[str, Any]:
         """The decision's own fields for a plan file (besides ``mode``, its kind)."""
@@ -200,6 +203,35 @@ class RecomputeOffload(Decision):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RecomputeOffload:
         return cls(int(data.get("arg", 0)))
+
+
+@decision_kind("chunk")
+@dataclass(frozen=True, slots=True)
+class Chunk(Decision):
+    """Run the unit, and the loss after it up to the scalar, in ``chunks`` slices of tokens.
+
+    Each slice is a checkpointed region: its intermediates (an LM head's logits,
+    their upcast and log-softmax) live only while it runs, in the forward and in
+    backward, where slices are recomputed one at a time
+    (:mod:`gradckpt.engine.chunking`). Exact up to the order of floating-point
+    sums. A unit decision only.
+    """
+
+    chunks: int = 2
+
+    #: Plan files that hold this kind are version 2 (older readers refuse them by version).
+    plan_version: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 2:
+            raise ValueError(f"Chunk.chunks must be an int >= 2, got {self.chunks!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chunks": self.chunks}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Chunk:
+        return cls(int(data.get("chunks", 2)))
 
 
 #: The decisions as a policy returns them (and as plans and the engine compare them).

@@ -271,7 +271,9 @@ def plan_for_fsdp(
             repeats=plan_options.get("repeats", 3),
         )  # fmt: skip
         per_rank = rank_profile(prof, rank_memory(model, size, groups))
-        return Planner(per_rank, segments=False).plan(budget_per_rank, solver)
+        # No chunking: its slices run when the loss reads the head's logits, after the
+        # head's forward, when FSDP has resharded the head's weight.
+        return Planner(per_rank, segments=False, chunking=False).plan(budget_per_rank, solver)
 
     return _plan_on_src(make, src, group)
 

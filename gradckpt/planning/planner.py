@@ -19,12 +19,14 @@ import gc
 from dataclasses import dataclass
 from functools import cached_property
 
+from gradckpt.engine.decisions import Chunk
 from gradckpt.planning.explaining.explain import Explanation, explain
+from gradckpt.planning.kinds.chunk.handler import allow_chunking
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.kinds.offload.solve import offload_candidates
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.simulation.simulate import Prediction
+from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solve import solve
 from gradckpt.planning.solving.budget import parse_budget
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
@@ -32,6 +34,8 @@ from gradckpt.planning.solving.dp import ChainDP
 from gradckpt.planning.solving.solvers import (
     Solver,
     check_plannable,
+    dp_scan,
+    dp_search,
     finish,
     least_peak_plan,
     none_plan,
@@ -42,6 +46,9 @@ from gradckpt.planning.solving.whole_step import check_floor
 from gradckpt.profiling.records import Profile
 
 __all__ = ["FrontierPoint", "Planner"]
+
+#: Times :meth:`Planner.least_peak` asks the DP for a plan just below the least peak found.
+_TIGHTEN = 3
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class Planner:
         profile: the measured (or fake) step, from :func:`gradckpt.profile`.
         segments: allow regions spanning several units (False for FSDP: its
             units' parameters are sharded when a segment would recompute them).
+        chunking: let the LM head and its loss run in slices of tokens where that
+            pays (:class:`~gradckpt.engine.decisions.Chunk`); False keeps every plan
+            to keep, recompute, selective and offload, exact bit for bit.
 
     Example:
         >>> planner = Planner(prof, segments=False)
@@ -68,8 +78,9 @@ class Planner:
     """
 
     def __init__(
-        self, profile: Profile, *, segments: bool = True, offload: OffloadOptions | None = None
-    ) -> None:
+        self, profile: Profile, *, segments: bool = True, offload: OffloadOptions | None = None,
+        chunking: bool = True,
+    ) -> None:  # fmt: skip
         if not isinstance(profile, Profile):
             raise TypeError(
                 "Planner takes a Profile made by gradckpt.profile(model, loss_fn), got "
@@ -78,12 +89,14 @@ class Planner:
         self.profile = profile
         self.segments = segments
         self.offload = offload  # the DP may also move blocks' saved tensors over this link
+        self.chunking = chunking  # the DP may also chunk the head and its loss
         self._least: tuple[Plan, Prediction] | None = None
 
     @cached_property
     def chain(self) -> ChainModel:
         """The chain model of the profile (engine costs included), built on first use."""
-        model = with_engine_costs(build_chain(self.profile), self.profile)
+        with allow_chunking(self.chunking):
+            model = with_engine_costs(build_chain(self.profile), self.profile)
         return model if self.segments else without_segments(model)
 
     @cached_property
@@ -129,6 +142,10 @@ class Planner:
         nbytes = self.budget_bytes(budget)
         check_plannable(self.profile)  # before the chain is built: the error in the user's terms
         check_floor(self.profile, nbytes)  # the optimizer's part, which no plan lowers
+        with allow_chunking(self.chunking):
+            return self._plan(nbytes, solver, offload)
+
+    def _plan(self, nbytes: int, solver: str | Solver, offload: OffloadOptions | None) -> Plan:
         offload = offload if offload is not None else self.offload
         if offload is not None:
             return solve(self.profile, nbytes, solver, segments=self.segments, offload=offload)
@@ -145,11 +162,39 @@ class Planner:
             >>> plan, pred = planner.least_peak()
         """
         if self._least is None:
-            if self.offload is not None:
-                self._least = least_peak_offload(self.profile, self.offload, segments=self.segments)
-            else:
-                self._least = least_peak_plan(self.profile, segments=self.segments)
+            with allow_chunking(self.chunking):
+                self._least = self._least_peak()
         return self._least
+
+    def _least_peak(self) -> tuple[Plan, Prediction]:
+        if self.offload is not None:
+            found = least_peak_offload(self.profile, self.offload, segments=self.segments)
+        else:
+            found = least_peak_plan(self.profile, segments=self.segments)
+        return self._tightened(found) if self._chunks_offered() else found
+
+    def _chunks_offered(self) -> bool:
+        return self.chunking and any(
+            isinstance(o, Chunk) for options in self.chain.options for o in options
+        )
+
+    def _tightened(self, found: tuple[Plan, Prediction]) -> tuple[Plan, Prediction]:
+        """``found``, or the plan :meth:`plan` makes just below its peak when it reaches lower.
+
+        With a chunked head the least peak is set by blocks' regions, where plans differ
+        by a region's few kilobytes (its RNG state); the least-peak search runs on times
+        estimated from FLOPs, :meth:`plan` on measured ones, and either may find the
+        other's last bytes. No budget :meth:`plan` meets stays below what this returns.
+        """
+        model, dp = self.chain, self.dp
+        for _ in range(_TIGHTEN):
+            budget = found[1].peak_bytes - 1
+            lower = dp_search(self.profile, budget, model, dp, self.segments)
+            lower = lower or dp_scan(self.profile, budget, model, dp, self.segments)
+            if lower is None:
+                break
+            found = (lower, simulate(self.profile, lower))
+        return found
 
     def frontier(self, points: int = 32) -> list[FrontierPoint]:
         """The memory-time Pareto curve, from the least feasible peak to the plain step.
@@ -160,6 +205,10 @@ class Planner:
         Example:
             >>> [f"{p.overhead:+.1%}" for p in planner.frontier(points=4)]
         """
+        with allow_chunking(self.chunking):
+            return self._frontier(points)
+
+    def _frontier(self, points: int) -> list[FrontierPoint]:
         prof = self.profile
         least = self.dp.least_feasible()
         candidates = [none_plan(prof)]
@@ -198,4 +247,5 @@ class Planner:
         """
         if plan is None and budget is not None:
             plan = self.plan(budget)
-        return explain(self.profile, plan)
+        with allow_chunking(self.chunking):
+            return explain(self.profile, plan)

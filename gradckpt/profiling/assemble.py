@@ -70,7 +70,7 @@ def assemble(
         for o in provisional
     )  # fmt: skip
     storages = tuple(
-        StorageRecord(i, s.nbytes, s.producer, s.alloc, s.free, natural[i], s.mutated)
+        StorageRecord(i, s.nbytes, s.producer, s.alloc, s.free, natural[i], s.mutated, s.shape)
         for i, s in enumerate(main.storages)
     )
     packs = tuple(

@@ -81,6 +81,7 @@ class _Storage:
     free: int = NEVER
     free_ops_done: int = -1  # forward ops completed when freed (-1: not freed in forward)
     mutated: bool = False
+    shape: tuple[int, ...] = ()  # of the op output that made it (rows: what chunking slices)
 
 
 @dataclass
@@ -200,12 +201,22 @@ class StepRecorder:
             unit, local = self._backward_unit(), -1
         self._new = []
         self.watcher.observe(func, out)
+        if self._new:
+            self._note_shapes(out)
         if self.forward:
             self._note_writes(func, args, kwargs, index)
         self.ops.append(
             RecordedOp(index, str(func), not self.forward, unit, local, elapsed,
                        _flops(func, args, kwargs, out), tuple(self._new), position)
         )  # fmt: skip
+
+    def _note_shapes(self, out: Any) -> None:
+        outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                sid = self.sid_of(t)
+                if sid >= 0 and not self.storages[sid].shape:
+                    self.storages[sid].shape = tuple(t.shape)
 
     def _note_writes(self, func: Any, args: Any, kwargs: Any, index: int) -> None:
         positions, names = written_args(func)

@@ -90,6 +90,9 @@ class StorageRecord:
     free: int
     natural_free: int
     mutated: bool
+    #: Shape of the op output that made it (() in older profiles): its leading
+    #: dimensions tell a per-token storage, which chunking slices.
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +238,9 @@ class Profile:
         check_header(data, "gradckpt.Profile", PROFILE_VERSION, "profile the model again")
         return cls(
             ops=tuple(OpRecord(**{**o, "outputs": tuple(o["outputs"])}) for o in data["ops"]),
-            storages=tuple(StorageRecord(**s) for s in data["storages"]),
+            storages=tuple(
+                StorageRecord(**{**s, "shape": tuple(s.get("shape", ()))}) for s in data["storages"]
+            ),
             packs=tuple(PackRecord(**{**p, "shape": tuple(p["shape"])}) for p in data["packs"]),
             units=tuple(UnitRecord(**{**u, "inputs": tuple(u["inputs"])}) for u in data["units"]),
             forward_ops=data["forward_ops"],

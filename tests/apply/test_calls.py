@@ -58,6 +58,14 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _close(a: dict, b: dict, plan: Plan) -> bool:
+    """Bit for bit, or within 1e-5 relative per tensor when the plan chunks a head and
+    its loss (slice sums in another order)."""
+    if not any(u.mode == "chunk" for u in plan.units):
+        return _same(a, b)
+    return a.keys() == b.keys() and all((a[k] - b[k]).norm() <= 1e-5 * b[k].norm() for k in a)
+
+
 def _plan(prof, decide) -> Plan:
     return Plan(tuple(UnitChoice(u.path, decide(u)) for u in prof.units if u.plannable),
                 prof.fingerprint)  # fmt: skip
@@ -177,10 +185,11 @@ def test_two_model_calls_per_step_plan_as_one_step():
     assert _same(grads, plain_grads)
     assert flops - plain_flops == _recompute_flops(prof, first)
     gradckpt.remove(model)
-    # fit's plan of the whole step holds its budget at the allocator, gradients exact.
+    # fit's plan of the whole step holds its budget at the allocator, gradients exact
+    # (up to the order of sums when it chunks the second call's head and its loss).
     plan = gradckpt.fit(model, loss_fn, 0.6, profile=prof)
     peak, grads, _ = _step(model, loss_fn)
-    assert _same(grads, plain_grads)
+    assert _close(grads, plain_grads, plan)
     assert peak <= plan.budget_bytes
     assert abs(peak - plan.predicted_peak_bytes) <= 0.02 * peak
 

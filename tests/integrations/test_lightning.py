@@ -69,7 +69,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_losses_and_weights_identical_to_a_plain_run(precision, caplog):
     plain, plain_trainer = _fit(precision=precision)
-    callback = BudgetCallback(BUDGET, repeats=1)
+    # Bit for bit needs a plan without chunking (a chunked loss adds its slices' sums in
+    # another order: tests/integrations/test_hf_chunking.py holds it to 1e-5).
+    callback = BudgetCallback(BUDGET, repeats=1, chunking=False)
     with caplog.at_level(logging.INFO, logger="gradckpt"):
         planned, trainer = _fit([callback], precision=precision)
     # Planning ran training_step a few times first (this module records every call).

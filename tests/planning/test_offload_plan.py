@@ -100,7 +100,7 @@ def test_the_last_offloaded_unit_is_held_into_backward(zoo):
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "unet"])
-def test_planned_with_offload_fits_the_budget_and_gives_exact_gradients(zoo, name):
+def test_planned_with_offload_fits_the_budget_and_gives_exact_gradients(zoo, name, no_chunking):
     ex, prof, plain = zoo.get(name)
     _, least = least_peak_plan(prof)
     budget = (least.peak_bytes + prof.measured_peak_bytes) // 2  # between least and plain
@@ -125,7 +125,7 @@ def test_gpt_at_eighty_percent_offloads_and_is_faster_than_recompute(zoo):
     assert with_offload.predicted_step_time < without.predicted_step_time
 
 
-def test_host_budget_is_held_by_the_plan_and_by_the_run(zoo):
+def test_host_budget_is_held_by_the_plan_and_by_the_run(zoo, no_chunking):
     ex, prof, plain = zoo.get("gpt")
     budget = int(0.8 * prof.measured_peak_bytes)
     free = simulate(prof, solve_offload(prof, budget, OPTIONS)).host_bytes

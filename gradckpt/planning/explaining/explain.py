@@ -133,6 +133,8 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
 def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     regions = regions_of(prof, plan) if plan is not None else []
     top_of_unit = {u: r for r in regions for u in r.units}
+    # A chunked region also holds the saved tensors of the loss after its unit.
+    region_of_pack = {pid: r for r in regions if r.repeats > 1 for pid in r.packs}
     input_of: dict[int, Region] = {}
     kept_output_of: dict[int, tuple[Region, int]] = {}
     for region in regions:
@@ -157,7 +159,7 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     for sid in sorted(set(packs_of) | set(input_of) | set(kept_output_of)):
         storage = prof.storages[sid]
         packs = [prof.packs[i] for i in packs_of.get(sid, ())]
-        plain = [p for p in packs if p.unit not in top_of_unit]
+        plain = [p for p in packs if p.unit not in top_of_unit and p.id not in region_of_pack]
         if plain:
             unit = plain[0].unit
             status = "kept"
@@ -179,6 +181,11 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
             region, op = kept_output_of[sid]
             unit, status = prof.ops[op].unit, "selective"
             why = f"output kept by the selective policy of {_label(region, prof)}"
+        elif packs[0].id in region_of_pack:
+            region = region_of_pack[packs[0].id]
+            unit, status = region.units[0], "recomputed"
+            why = (f"in {region.repeats} slices of chunked {_label(region, prof)} and its loss: "
+                   "one slice at a time, never whole, recomputed")  # fmt: skip
         else:
             unit, status = packs[0].unit, "recomputed"
             why = f"inside checkpointed {_label(top_of_unit[unit], prof)}: recomputed"

@@ -50,6 +50,9 @@ class StepEffect:
     #: (unit index, storage id): that unit's own top-level region no longer holds that
     #: input storage for its recompute (it went to host memory; ``buffers`` bring it back).
     released_inputs: frozenset[tuple[int, int]] = frozenset()
+    #: Storage id -> bytes it has under the plan, wherever the step makes it (forward,
+    #: recompute, backward): a chunked region's per-token storages are one slice's.
+    resized: Mapping[int, int] = field(default_factory=dict)
 
 
 def combined(effects: Iterable[StepEffect]) -> StepEffect | None:
@@ -73,4 +76,5 @@ def combined(effects: Iterable[StepEffect]) -> StepEffect | None:
         sum(e.stall for e in effects),
         sum(e.host_bytes for e in effects),
         frozenset().union(*(e.released_inputs for e in effects)),
+        {s: n for e in effects for s, n in e.resized.items()},
     )

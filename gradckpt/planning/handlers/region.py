@@ -23,3 +23,6 @@ class Region:
     inputs: frozenset[int] = frozenset()
     children: list[Region] = field(default_factory=list)
     packs: list[int] = field(default_factory=list)  # all packs in this region's span
+    #: How many times the region is entered per step: a chunked region once per slice
+    #: (its engine events and kept RNG states count that many times).
+    repeats: int = 1

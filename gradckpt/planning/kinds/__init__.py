@@ -23,5 +23,6 @@ from gradckpt.planning.kinds import recompute  # noqa: F401
 from gradckpt.planning.kinds.offload import handler  # noqa: F401
 from gradckpt.planning.kinds.offload import boundary  # noqa: F401
 from gradckpt.planning.kinds import selective  # noqa: F401
+from gradckpt.planning.kinds.chunk import handler as chunk  # noqa: F401  (last: the head's options after recompute)
 
 __all__: list[str] = []

@@ -58,6 +58,10 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
+#: Plan-file versions this gradckpt reads: 1, and 2 for plans holding a kind that
+#: older readers cannot run (``Chunk``; see ``Decision.plan_version``), which they
+#: then refuse by its version instead of by an unknown unit mode.
+READ_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, init=False)
@@ -215,6 +219,8 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        # A plan without newer kinds is written exactly as before (version 1).
+        data["version"] = max([self.version] + [u.decision.plan_version for u in self.units])
         data["items"] = [_item_to_json(i) for i in self.items]
         data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
         data["not_planned"] = [[p, n] for p, n in self.not_planned]
@@ -224,12 +230,15 @@ class Plan:
     def from_json(cls, data: dict[str, Any], source: str | None = None) -> Plan:
         """The plan in ``data``; :class:`PlanFormatError` (naming ``source``) if malformed."""
         if isinstance(data, dict):
+            version = data.get("version")
+            readable = version if version in READ_VERSIONS else READ_VERSIONS[-1]
             try:
-                check_header(data, "gradckpt.Plan", PLAN_VERSION, "plan the model again")
+                check_header(data, "gradckpt.Plan", readable, "plan the model again")
             except ValueError as e:
                 raise PlanFormatError(f"{source}: {e}" if source else str(e)) from None
         check_plan_fields(data, source)
         fields = {k: v for k, v in data.items() if k != "kind"}
+        fields["version"] = PLAN_VERSION  # the file's version follows from its kinds
         try:
             fields["items"] = tuple(_item_from_json(i) for i in data["items"])
         except ValueError as e:  # a unit mode, a one-unit segment, save without selective

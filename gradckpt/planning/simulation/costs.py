@@ -176,15 +176,15 @@ def plan_counts(
         >>> plan_counts(prof, regions, [(regions[0], regions[0].end_op)])
     """
     total = EngineCounts()
-    for region in tops:
-        total += EngineCounts(regions=1, policy_ops=_policy_ops(region))
+    for region in tops:  # a chunked region is entered once per slice
+        total += EngineCounts(regions=region.repeats, policy_ops=_policy_ops(region))
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
-            total += EngineCounts(regions=1, policy_ops=_policy_ops(child))
-        ops = max(0, stop - region.first_op)
+            total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
+        ops = max(0, stop - region.first_op) * region.repeats  # a chunked region: per slice
         total += EngineCounts(
             recompute_ops=ops,
-            saved_tensors=len(region.packs),
+            saved_tensors=len(region.packs) * region.repeats,
             mode_ops=ops if region.save else 0,  # kept outputs: replayed under the mode
         )
     return total

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.planning.handlers.effects import StepEffect, combined
 from gradckpt.planning.handlers.engine_counts import EngineCounts
 from gradckpt.planning.handlers.region import Region
@@ -128,6 +129,13 @@ class _Simulator:
         self.effect = effect
         self.shared = shared_events(profile)
         self.line = EventLine(cuda=profile.device == "cuda", static=self.shared.static)
+        # Storage sizes as the plan makes them (a chunked region's are one slice's).
+        self.resized = effect.resized if effect is not None else {}
+        self.nbytes = self.shared.nbytes
+        if self.resized:
+            self.nbytes = list(self.nbytes)
+            for sid, n in self.resized.items():
+                self.nbytes[sid] = allocator_block_bytes(n) if self.line.cuda else n
         self.rng_bytes = region_state_bytes(profile)
         self.recompute_time = 0.0
         self.recompute_by_unit: dict[int, float] = {}
@@ -168,7 +176,10 @@ class _Simulator:
         events, packs, effect = self.line.events, p.packs, self.effect
         released = effect.released_packs if effect is not None else frozenset()
         live_until = effect.live_until if effect is not None else None
+        resized, sizes = self.resized, self.nbytes
         for sid, nbytes, alloc, free, pids in self.shared.forward:
+            if resized and sid in resized:
+                nbytes = sizes[sid]
             for pid in pids:
                 if pid not in top_of_pack and packs[pid].release > free and pid not in released:
                     free = packs[pid].release
@@ -182,13 +193,28 @@ class _Simulator:
                 events.append(((free, 1, 0, 0.0), nbytes))
         for buffer in effect.buffers if effect is not None else ():
             self.line.add(buffer.nbytes, plain_at(buffer.alloc), plain_at(buffer.free))
+        self.shrink_backward()
         for region in self.regions:
-            if self.rng_bytes:
+            if self.rng_bytes:  # each entry of the region keeps one
                 opened = plain_at(p.ops[region.first_op].position - 1)
-                self.line.add(self.rng_bytes, opened, plain_at(self.death(region)))
+                self.line.add(self.rng_bytes * region.repeats, opened, plain_at(self.death(region)))
             start = self.first_unpack(region)
             if start < NEVER:
                 self.recompute(region, start, 0, {})
+
+    def shrink_backward(self) -> None:
+        """Resize storages made in backward, whose whole sizes are in the shared events:
+        the difference leaves just before each is made and comes back just after it dies
+        (never a moment above the resized level)."""
+        p, events = self.p, self.line.events
+        for sid in self.resized:
+            s = p.storages[sid]
+            if s.producer < p.forward_ops:
+                continue  # a forward storage: sized where the forward loop reads it
+            less = self.shared.nbytes[sid] - self.nbytes[sid]
+            events.append(((s.alloc, 1, 0, -0.5), less))
+            if s.free < NEVER:
+                events.append(((s.free, 1, 0, 0.5), -less))
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
         p = self.p
@@ -205,7 +231,7 @@ class _Simulator:
         end = here(stop - first + 0.5)
         if self.rng_bytes:  # the RNG states the replay saves and sets, for its length
             self.line.add(2 * self.rng_bytes, here(-1), end)
-        ops, save, nbytes, natural = p.ops, region.save, self.shared.nbytes, self.shared.natural_op
+        ops, save, nbytes, natural = p.ops, region.save, self.nbytes, self.shared.natural_op
         by_unit, time, flops = self.recompute_by_unit, self.recompute_time, self.recompute_flops
         for k in range(first, stop):
             if k in save:

@@ -137,6 +137,10 @@ def _calibration_runs(
         runs.append([k if u.is_block and k < len(o) else 0 for u, o in zip(units, options)])
     if not all(u.is_block for u in units):
         runs.append([0 if u.is_block else 1 for u in units])
+    # Further options of other units (a chunked head's): each with the blocks kept.
+    extra = max((len(o) for u, o in zip(units, options) if not u.is_block), default=0)
+    for k in range(2, extra):
+        runs.append([k if not u.is_block and k < len(o) else 0 for u, o in zip(units, options)])
     if width < 2:  # no blocks: their recompute option still needs calibrating
         runs.append([1] * len(units))
     return runs

@@ -273,6 +273,38 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         model = without_segments(model)
         dp = None
     dp = dp or ChainDP(model.chain)
+    found = dp_search(profile, budget, model, dp, segments)
+    if found is not None:
+        return found
+    leanest, pred = least_peak_plan(profile, segments=segments)
+    if pred.peak_bytes <= budget:
+        return _polished(profile, leanest, pred, budget, model, segments)
+    found = dp_scan(profile, budget, model, dp, segments)
+    if found is not None:
+        return found
+    raise BudgetError(
+        f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
+        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
+        f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
+        f"(activations, gradients and temporaries) peaks during "
+        f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
+        "sequence length."
+        + (f" {profile.blocks_note}" if profile.blocks_note else "")
+        + _parents_hint(profile, pred.peak_position),
+        least_peak_bytes=pred.peak_bytes,
+    )
+
+
+def dp_search(
+    profile: Profile, budget: int, model: ChainModel, dp: ChainDP, segments: bool = True
+) -> Plan | None:
+    """:func:`solve_dp`'s search on a built chain and DP: the DP's schedules from ``budget``
+    down to its least feasible one, then the lowest of them repaired on the simulator; the
+    plan that fits, or None (no least-peak fallback, no error).
+
+    Example:
+        >>> dp_search(prof, 600 << 20, model, ChainDP(model.chain)) is not None
+    """
     top = model.to_units(budget)
     least = dp.least_feasible()
     tried: set[tuple] = set()
@@ -305,27 +337,26 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         repaired, pred = repair(profile, lowest, budget, model)
         if pred.peak_bytes <= budget:
             return _polished(profile, repaired, pred, budget, model, segments)
-    leanest, pred = least_peak_plan(profile, segments=segments)
-    if pred.peak_bytes <= budget:
-        return _polished(profile, leanest, pred, budget, model, segments)
-    if least is not None:
-        # At the edge of feasibility a schedule for a larger DP budget can peak lower than
-        # the ones tried (the peak is not monotone in it): scan the whole range, as the
-        # frontier does, so no budget a frontier point reaches is refused.
-        found = _scanned(profile, model, dp, least, budget)
-        if found is not None:
-            return _polished(profile, *found, budget, model, segments)
-    raise BudgetError(
-        f"no plan fits the budget of {format_bytes(budget)}: the least peak gradckpt reaches "
-        f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
-        f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
-        f"(activations, gradients and temporaries) peaks during "
-        f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
-        "sequence length."
-        + (f" {profile.blocks_note}" if profile.blocks_note else "")
-        + _parents_hint(profile, pred.peak_position),
-        least_peak_bytes=pred.peak_bytes,
-    )
+    return None
+
+
+def dp_scan(
+    profile: Profile, budget: int, model: ChainModel, dp: ChainDP, segments: bool = True
+) -> Plan | None:
+    """The fastest DP schedule that fits ``budget`` over the DP's whole range, or None.
+
+    At the edge of feasibility a schedule for a larger DP budget can peak lower than
+    the ones :func:`dp_search` tried (the peak is not monotone in it): the whole range
+    is scanned, as the frontier does, so no budget a frontier point reaches is refused.
+
+    Example:
+        >>> dp_scan(prof, 600 << 20, model, ChainDP(model.chain))
+    """
+    least = dp.least_feasible()
+    if least is None:
+        return None
+    found = _scanned(profile, model, dp, least, budget)
+    return _polished(profile, *found, budget, model, segments) if found is not None else None
 
 
 def _parents_hint(profile: Profile, position: int) -> str:
