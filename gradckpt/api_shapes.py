@@ -38,6 +38,7 @@ from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, Segment
 from gradckpt.planning.plans.planset import ShapeKey
 from gradckpt.planning.simulation.simulate import simulate
+from gradckpt.planning.solving.baselines import every_kth_plan, none_plan
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.rescale import with_measured_workspace
 from gradckpt.planning.solving.solvers import Solver
@@ -332,19 +333,24 @@ def _step_tail(
 
     A trainer's step does more than call the model (a DPO step runs a reference model
     beside it and its own loss on per-token log-probabilities; a user's loss keeps
-    log-softmax temporaries a sum of the logits does not): under the fitted plan,
-    the fitted step's predicted peak less the replay's at the same shape. (0, 0)
+    log-softmax temporaries a sum of the logits does not): the fitted step's predicted
+    peak less the replay's at the same shape, the most over the fitted plan, the plain
+    plan and every block recomputed (what the step keeps beside the model matters where
+    a plan peaks, and the plan for a new shape peaks where its budget drives it). (0, 0)
     when unknown (no fitted profile, or the replay cannot run under fake tensors).
     """
     if fitted.profile is None or fitted.plan is None:
         return 0, 0
     try:
         replay = planner_for(profile_fake(replan.step_at(model, fitted, loss_from))).profile
-        ran = as_called(fitted.plan, [u.path for u in replay.units]) or fitted.plan
-        missed = simulate(fitted.profile, fitted.plan).peak_bytes - simulate(replay, ran).peak_bytes
+        missed = 0
+        for plan in (fitted.plan, none_plan(fitted.profile), every_kth_plan(fitted.profile, 1)):
+            ran = as_called(plan, [u.path for u in replay.units]) or plan
+            gap = simulate(fitted.profile, plan).peak_bytes - simulate(replay, ran).peak_bytes
+            missed = max(missed, gap)
     except Exception:  # the replay needs what fake tensors cannot do: no correction
         return 0, 0
-    return max(0, missed), replay.measured_peak_bytes - replay.param_bytes
+    return missed, replay.measured_peak_bytes - replay.param_bytes
 
 
 def for_the_running_call(
