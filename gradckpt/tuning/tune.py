@@ -1,8 +1,10 @@
 """``gradckpt.tune``: the micro-batch size and the plan that train fastest in the budget.
 
-1. **Candidates**: the divisors of ``global_batch`` (``batch_sizes`` if given;
-   without a global batch, powers of two up to the largest whose leanest plan
-   fits). Each is profiled under fake tensors (exact sizes, no memory).
+1. **Candidates**: the divisors of ``global_batch`` up to 4096 (``batch_sizes``
+   if given; without a global batch, powers of two up to the largest whose
+   leanest plan fits); the bounds are checked before any work
+   (:mod:`gradckpt.tuning.sizes`). Each is profiled under fake tensors (exact
+   sizes, no memory).
 2. **Times**: the plain step profiled for real at the two smallest sizes that
    fit the budget plainly (:mod:`gradckpt.tuning.timing`); the optimizer's step
    timed once. Nothing runs above the budget.
@@ -50,30 +52,10 @@ from gradckpt.tuning.batches import MakeLoss
 from gradckpt.tuning.predict import fake_profile, predict_candidates
 from gradckpt.tuning.result import TuneCandidate, TuneResult
 from gradckpt.tuning.run import optimizer_seconds, run_candidates
+from gradckpt.tuning.sizes import LARGEST_MICRO_BATCH, candidate_sizes, check_counts
 from gradckpt.tuning.timing import BatchTimes
 
 __all__ = ["tune"]
-
-_MAX_POWER = 1 << 12
-
-
-def _sizes(global_batch: int | None, batch_sizes: Sequence[int] | None) -> list[int] | None:
-    if batch_sizes is not None:
-        sizes = sorted({int(b) for b in batch_sizes})
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"batch_sizes are micro-batch sizes >= 1, got {list(batch_sizes)}")
-        if global_batch is not None and any(global_batch % b for b in sizes):
-            bad = [b for b in sizes if global_batch % b]
-            raise ValueError(f"batch_sizes {bad} do not divide global_batch={global_batch}")
-        return sizes
-    if global_batch is not None:
-        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-            raise ValueError(
-                f"global_batch is a whole number of samples >= 1, got {global_batch!r}"
-            )
-        return [b for b in range(1, global_batch + 1) if global_batch % b == 0]
-    return None  # powers of two, found while profiling
-
 
 def tune(
     model: nn.Module,
@@ -114,6 +96,8 @@ def tune(
 
     Raises:
         BudgetError: no candidate fits the budget.
+        ValueError: an argument out of its bounds (:mod:`gradckpt.tuning.sizes`), before
+            anything is profiled.
 
     Example:
         >>> result = gradckpt.tune(model, make_loss, "auto", optimizer="adamw", global_batch=32)
@@ -124,7 +108,8 @@ def tune(
             "for every micro-batch size"
         )
     check_step_arguments(optimizer, 1, set_to_none)
-    sizes = _sizes(global_batch, batch_sizes)
+    check_counts(top=top, rounds=rounds)
+    sizes = candidate_sizes(global_batch, batch_sizes)
     started = time.perf_counter()
     step1 = training_step(model, optimizer, 1, set_to_none) or TrainingStep()
     resolved, device = resolve_budget(model, budget, optimizer)
@@ -184,7 +169,7 @@ def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks) -> dict[in
         return {b: fake_profile(model, make_loss, b, blocks) for b in sizes}
     out: dict[int, Profile] = {}
     b = 1
-    while b <= _MAX_POWER:
+    while b <= LARGEST_MICRO_BATCH:
         out[b] = fake_profile(model, make_loss, b, blocks)
         whole = with_training_step(out[b], step_for(b))
         if Planner(whole).least_peak()[1].peak_bytes > budget:
