@@ -192,6 +192,11 @@ class Profile:
     #: When block discovery found no repeated blocks: what it considered and how to name
     #: them (``blocks=``), for the message of a budget no plan meets; "" otherwise.
     blocks_note: str = ""
+    #: CPU with glibc: bytes the step held from malloc beside its tensors at the end of
+    #: the forward (autograd's graph, Python objects: :mod:`gradckpt.measure.beside`), as
+    #: the recorded plain pass read them; a budget counted at malloc's level holds them
+    #: too, so ``fit`` plans the tensors for the budget less this. 0: not read.
+    beside_bytes: int = 0
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -248,6 +253,7 @@ class Profile:
             floor_bytes=data.get("floor_bytes", 0),
             step=TrainingStep.from_json(data["step"]) if data.get("step") else None,
             blocks_note=data.get("blocks_note", ""),
+            beside_bytes=data.get("beside_bytes", 0),
             version=data["version"],
         )
 

@@ -174,7 +174,10 @@ def _profile_prepared(
                     run_pass(units, loss_fn, guard, plain=True, device=where, allocator=measured)
                 )
             with capturing_call(units) as call:  # one block's arguments, to time it alone
-                step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
+                step_time = time_plain_step(
+                    loss_fn, guard, max(1, repeats), where,
+                    passes[0] if passes[0].allocator_peak is not None else None,
+                )
     finally:
         guard.restore()
     real = with_unit_times(assemble(model, units, forward_only, passes, step_time), call)
