@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gradckpt import replan
-from gradckpt.api_budget import budget_profile
+from gradckpt.api_budget import budget_profile, plan_beside
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
 from gradckpt.apply.real_shape import (
@@ -113,7 +113,7 @@ def plan_fitted(
         segments = False
     planner = Planner(prof, segments=segments, offload=options.offload)
     budget_bytes = planner.budget_bytes(budget)
-    chosen = planner.plan(budget_bytes, options.solver)
+    chosen = plan_beside(planner, budget, budget_bytes, options.solver)  # autograd's graph too
     measured = measure_candidates and not prof.fake
     if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
         from gradckpt.apply.frugal import frugal_measured
@@ -133,9 +133,11 @@ def plan_fitted(
         _see_call(model, recording)
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = Planner(prof, segments=False, offload=options.offload).plan(
-                budget_bytes, options.solver
-            )
+            chosen = plan_beside(
+                Planner(prof, segments=False, offload=options.offload), budget, budget_bytes,
+                options.solver,
+            )  # fmt: skip
+    chosen = replace(chosen, budget_bytes=budget_bytes)
     fitted = replace(calls[0], profile=prof, plan=chosen) if calls else None
     return fitted, chosen, prof
 

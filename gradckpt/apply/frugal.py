@@ -70,7 +70,8 @@ class _Runner:
             reading = measured_step(self.guard, self.loss_fn, self.device, self.clock)
         finally:
             remove(self.model)
-        measured = self.raw.param_bytes + reading.peak_bytes
+        # Autograd's graph and Python objects too: a budget counted at malloc's level holds them.
+        measured = self.raw.param_bytes + reading.peak_bytes + reading.beside_bytes
         # On CUDA an out-of-memory error sees what the caching allocator reserved.
         measured = max(measured, reading.reserved_high_water_bytes or 0)
         return reading.seconds, measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
@@ -115,11 +116,14 @@ def _checked(
     _, missed = runner.run(leanest, measure=True)
     missed = max(0, missed or 0)
     if _whole(planner, leanest, missed) > budget:
+        least = _whole(planner, leanest, missed)
         raise BudgetError(
-            f"the leanest plan measured {format_bytes(_whole(planner, leanest, missed))} for "
-            f"the whole step on a real step ({format_bytes(missed)} more than fake tensors "
-            f"predicted: kernel workspace), over the budget of {format_bytes(budget)}",
-            least_peak_bytes=_whole(planner, leanest, missed),
+            f"the leanest plan measured {format_bytes(least)} for the whole step on a real "
+            f"step ({format_bytes(missed)} more than predicted: memory the kernels and "
+            f"autograd took that the profile did not show), over the budget of "
+            f"{format_bytes(budget)}; a budget of {format_bytes(least, round_up=True)} holds "
+            "it, or shrink the batch",
+            least_peak_bytes=least,
         )
     for _ in range(TRIES):
         if _whole(planner, chosen, missed) <= budget:
@@ -133,13 +137,15 @@ def _checked(
         for i, candidate in enumerate(candidates):
             if i in over:
                 continue
-            if _whole(planner, candidate, missed) > budget:
-                over.add(i)  # never run a plan predicted over the budget
-                continue
-            seconds, extra = runner.run(candidate, measure=r == 0)
-            if extra is not None and _whole(planner, candidate, extra) > budget:
+            if _whole(planner, candidate, missed) > budget:  # never run one predicted over
                 over.add(i)
                 continue
+            seconds, extra = runner.run(candidate, measure=r == 0)
+            if extra is not None:
+                missed = max(missed, extra)  # the next candidates are predicted with it
+                if _whole(planner, candidate, extra) > budget:
+                    over.add(i)
+                    continue
             times[i].append(seconds)
     kept = [i for i in range(len(candidates)) if i not in over and times[i]]
     if not kept:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading
 from gradckpt.measure.timing import work_clock
 from gradckpt.profiling.state import StepState
 
@@ -50,6 +51,10 @@ class StepReading:
     seconds: float
     peak_bytes: int
     reserved_high_water_bytes: int | None
+    #: CPU with glibc: what the step held from malloc beside the allocator's blocks at the
+    #: end of its forward (autograd's graph, Python objects: :mod:`gradckpt.measure.beside`);
+    #: 0 where it cannot be read. A budget counted at malloc's level holds it too.
+    beside_bytes: int = 0
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -87,9 +92,12 @@ def measured_step(
     state.reset()
     start = clock()
     with AllocatorTracker(device) as tracker:
-        _step(state, loss_fn, device)
+        beside = BesideReading(tracker)
+        _step(state, loss_fn, device, beside.forward_done)
     seconds = clock() - start
-    return StepReading(seconds, tracker.peak_bytes, tracker.reserved_high_water_bytes)
+    return StepReading(
+        seconds, tracker.peak_bytes, tracker.reserved_high_water_bytes, beside.bytes()
+    )
 
 
 def timed_step(
@@ -110,9 +118,16 @@ def timed_step(
     return clock() - start
 
 
-def _step(state: StepState, loss_fn: Callable[[], torch.Tensor], device: torch.device) -> None:
+def _step(
+    state: StepState,
+    loss_fn: Callable[[], torch.Tensor],
+    device: torch.device,
+    forward_done: Callable[[], None] | None = None,
+) -> None:
     loss = loss_fn()
     state.adopt_graph(loss)  # leaves outside the model the step reaches
+    if forward_done is not None:
+        forward_done()  # autograd's graph is whole here
     loss.backward()
     del loss  # freed inside a measured region, as in a plain step
     if device.type == "cuda":

@@ -27,6 +27,7 @@ from torch import nn
 
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading
 from gradckpt.measure.memory import state_bytes
 from gradckpt.measure.optimizer import fresh_optimizer
 from gradckpt.measure.timing import work_clock
@@ -98,11 +99,14 @@ class _Runs:
             times = []
             if tracker is not None:
                 tracker.__enter__()
+                beside = BesideReading(tracker)
             try:
                 for _ in range(2 if c.accumulation_steps > 1 else 1):
                     start = self.clock()
                     loss = loss_fn()
                     self.guard.adopt_graph(loss)
+                    if tracker is not None:
+                        beside.forward_done()  # the first micro-batch's graph, whole
                     loss.backward()
                     del loss
                     _sync(self.device)
@@ -114,7 +118,8 @@ class _Runs:
             remove(self.model)
         peak = None
         if tracker is not None:
-            peak = state_bytes(self.model) + self.state + tracker.peak_bytes
+            # Autograd's graph and Python objects too: the budget holds them at malloc's level.
+            peak = state_bytes(self.model) + self.state + tracker.peak_bytes + beside.bytes()
             # On CUDA an out-of-memory error sees what the caching allocator reserved.
             peak = max(peak, (tracker.reserved_high_water_bytes or 0) + self.state)
         return times[-1], peak

@@ -41,6 +41,7 @@ from gradckpt.api_budget import (
     training_step,
 )
 from gradckpt.apply.select import pick_fastest
+from gradckpt.measure.outside import held_at_most
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError, read_budget
 from gradckpt.planning.solving.whole_step import with_training_step
@@ -182,11 +183,14 @@ def _real_times(model, make_loss, fakes, held, budget, blocks) -> BatchTimes:
     """Real profiles at the (up to) two smallest sizes whose plain step fits the budget."""
     # A real profile runs one plain micro-batch's forward and backward (no optimizer
     # state yet, beside what already exists): that is what must fit.
-    fits = [
-        b for b in sorted(fakes)
-        if (fakes[b].measured_peak_bytes + held) * (1 + PLAIN_MARGIN) <= budget
-    ][:2]  # fmt: skip
-    real = {b: profile_step(model, make_loss(b), blocks=blocks, repeats=2) for b in fits}
+    def profiled(b: int) -> float:
+        return (fakes[b].measured_peak_bytes + held) * (1 + PLAIN_MARGIN)
+
+    fits = [b for b in sorted(fakes) if profiled(b) <= budget][:2]
+    real = {}
+    for b in fits:  # the malloc probe holds no more than the budget leaves beside the step
+        with held_at_most(int(budget - profiled(b))):
+            real[b] = profile_step(model, make_loss(b), blocks=blocks, repeats=2)
     return BatchTimes.fit(real, {b: fakes[b] for b in fits})
 
 
