@@ -65,7 +65,8 @@ from gradckpt.measure.free_chunks import hold_free_chunks, release
 
 __all__ = [
     "REPLAYS", "SWITCH", "RssProbe", "held_at_most", "needs_replay", "noise_bytes",
-    "replay_growth", "rss_probe", "settled_noise_bytes", "switched_off", "unavailable",
+    "replay_growth", "rss_probe", "settled_noise_bytes", "suspended", "switched_off",
+    "unavailable",
 ]  # fmt: skip
 
 #: The environment variable that turns the probe off (see :func:`switched_off`).
@@ -134,6 +135,26 @@ def switched_off() -> bool:
     return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
 
 
+_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_suspended", default=False)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No probe for the profiles made inside: for callers that take only op times from
+    them (``gradckpt.tune``'s real sizes), whose memory the probe's held chunks and
+    replays would only add to.
+
+    Example:
+        >>> with suspended():
+        ...     times = gradckpt.profile(model, loss_fn).step_time
+    """
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
+
+
 def unavailable() -> str:
     """Why the probe does not run in this process ("" when it does).
 
@@ -143,6 +164,8 @@ def unavailable() -> str:
     """
     if switched_off():
         return f"switched off ({SWITCH}={os.environ[SWITCH]})"
+    if _SUSPENDED.get():
+        return "suspended by the caller (only op times are wanted)"
     if not sys.platform.startswith("linux"):
         return "not Linux"
     if _libc() is None:

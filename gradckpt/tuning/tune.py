@@ -41,7 +41,7 @@ from gradckpt.api_budget import (
     training_step,
 )
 from gradckpt.apply.select import pick_fastest
-from gradckpt.measure.outside import held_at_most
+from gradckpt.measure.outside import suspended
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError, read_budget
 from gradckpt.planning.solving.whole_step import with_training_step
@@ -125,8 +125,9 @@ def tune(
     def step_for(b: int) -> TrainingStep:
         return replace(step1, accumulation_steps=accumulation(b))
 
-    fakes = _fake_profiles(model, make_loss, sizes, step_for, budget_bytes, blocks)
-    times = _real_times(model, make_loss, fakes, held_bytes(model, optimizer), budget_bytes, blocks)
+    held = held_bytes(model, optimizer)
+    fakes = _fake_profiles(model, make_loss, sizes, step_for, budget_bytes, blocks, held)
+    times = _real_times(model, make_loss, fakes, held, budget_bytes, blocks)
     opt_seconds = optimizer_seconds(model, make_loss(min(fakes)), optimizer) if times.real else 0.0
     rows = predict_candidates(fakes, step_for, budget_bytes, times, opt_seconds, samples)
     planning = time.perf_counter() - started
@@ -162,16 +163,17 @@ def _said(r: TuneCandidate) -> str:
     return f"{r.strategy} {r.predicted_samples_per_s:.2f} samples/s predicted"
 
 
-def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks) -> dict[int, Profile]:
-    """Fake profiles at the candidate sizes (powers of two while the leanest plan fits)."""
+def _fake_profiles(model, make_loss, sizes, step_for, budget, blocks, held) -> dict[int, Profile]:
+    """Fake profiles at the candidate sizes (powers of two while the leanest plan fits),
+    each op's workspace from a real run of it (:func:`gradckpt.api_budget.with_real_kernels`)."""
     from gradckpt.planning.planner import Planner
 
     if sizes is not None:
-        return {b: fake_profile(model, make_loss, b, blocks) for b in sizes}
+        return {b: fake_profile(model, make_loss, b, blocks, room=budget - held) for b in sizes}
     out: dict[int, Profile] = {}
     b = 1
     while b <= LARGEST_MICRO_BATCH:
-        out[b] = fake_profile(model, make_loss, b, blocks)
+        out[b] = fake_profile(model, make_loss, b, blocks, room=budget - held)
         whole = with_training_step(out[b], step_for(b))
         if Planner(whole).least_peak()[1].peak_bytes > budget:
             break
@@ -187,10 +189,10 @@ def _real_times(model, make_loss, fakes, held, budget, blocks) -> BatchTimes:
         return (fakes[b].measured_peak_bytes + held) * (1 + PLAIN_MARGIN)
 
     fits = [b for b in sorted(fakes) if profiled(b) <= budget][:2]
-    real = {}
-    for b in fits:  # the malloc probe holds no more than the budget leaves beside the step
-        with held_at_most(int(budget - profiled(b))):
-            real[b] = profile_step(model, make_loss(b), blocks=blocks, repeats=2)
+    # Only their op times are used (memory comes from the fake profiles): no malloc probe,
+    # whose held chunks and replays took tune's run to 1.05x its budget.
+    with suspended():
+        real = {b: profile_step(model, make_loss(b), blocks=blocks, repeats=2) for b in fits}
     return BatchTimes.fit(real, {b: fakes[b] for b in fits})
 
 
