@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.beside import tracker_bytes
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
@@ -252,9 +253,13 @@ def plan_beside(
         least = exc.least_peak_bytes
         if not beside or least is None:
             raise
+        planned = f"the budget of {format_bytes(budget_bytes - beside)}"
+        whole = (
+            f"the budget of {format_bytes(budget_bytes)} (less {format_bytes(beside)} the step "
+            "holds from malloc beside its tensors: autograd's graph, Python objects)"
+        )
         raise BudgetError(
-            f"{exc} Beside its tensors the step holds {format_bytes(beside)} from malloc "
-            f"(autograd's graph, Python objects): the least budget that fits is "
+            f"{str(exc).replace(planned, whole, 1)} The least budget that fits is "
             f"{format_bytes(least + beside, round_up=True)}.",
             least_peak_bytes=least + beside,
         ) from exc
@@ -278,7 +283,10 @@ def with_real_kernels(model: nn.Module, raw: Profile, specs: SpecSink, room: int
         len(replayed.readings), len(raw.ops) - len(replayed.readings),
         format_bytes(max((r.workspace for r in replayed.readings.values()), default=0)),
     )  # fmt: skip
-    return with_replayed(raw, replayed)
+    # Plans from it are checked on steps measured under the allocator's events, whose
+    # own records malloc holds too (an event per allocation and free): counted beside.
+    measuring = tracker_bytes(2 * len(raw.storages))
+    return replace(with_replayed(raw, replayed), beside_bytes=raw.beside_bytes + measuring)
 
 
 def annotated(plan: Plan, device: DeviceMemory | None) -> Plan:

@@ -8,12 +8,13 @@ unit's forward wrapped to note its calls, autograd's saved-tensor hooks, and
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._guards import detect_fake_mode
 
 from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.beside import BesideReading, malloc_in_use
@@ -99,7 +100,10 @@ def run_pass(
                    specs=spec_sink() if plain else None),  # fmt: skip
     ):
         recorder.active = True
-        before = malloc_in_use() if plain else None  # read as beside for fake passes only
+        before = None
+        if plain and detect_fake_mode() is not None:  # what it holds beside is read here
+            gc.collect()  # garbage freed during the pass would hide what the step takes
+            before = malloc_in_use()
         try:
             loss = loss_fn()
         except RuntimeError as e:
@@ -115,7 +119,7 @@ def run_pass(
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
         state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
-        if is_fake(loss):  # no tensor allocated: what malloc took is all beside them
+        if before is not None:  # fake: no tensor allocated, what malloc took is all beside
             recorder.beside_bytes = _beside(before)
         recorder.forward = False
         if plain:
