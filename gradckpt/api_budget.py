@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradckpt.measure.beside import tracker_bytes
+from gradckpt.measure.beside import malloc_in_use, tracker_bytes
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
@@ -231,22 +232,34 @@ def budget_profile(
 
 
 def plan_beside(
-    planner: Planner, budget: int | float | str, budget_bytes: int, solver: str | Solver
+    planner: Planner,
+    budget: int | float | str,
+    budget_bytes: int,
+    solver: str | Solver,
+    since: int | None = None,
 ) -> Plan:
     """The plan for ``budget`` (``budget_bytes`` in bytes) less what the step holds
-    beside its tensors.
+    beside its tensors, and what planning holds meanwhile.
 
     Autograd's graph and the step's Python objects come from malloc too
     (``Profile.beside_bytes``: 64 KiB on a 106-op ResNet step, 190 KiB on a 620-op
-    GPT); a byte budget counted at malloc's level holds them, so the tensors are
+    GPT, 1.3 MiB on a small Mamba's scan), and so do planning's own objects while
+    its checks run (the profiles, the specs of a fake one: what malloc holds now
+    above ``since``, :func:`~gradckpt.measure.beside.malloc_in_use` when planning
+    began). A byte budget counted at malloc's level holds them, so the tensors are
     planned for what is left. A fraction of the plain peak is of the tensors' peak:
     nothing is taken off. The plan's ``budget_bytes`` is the share planned for; the
     caller puts the whole budget back once its candidates are chosen.
 
     Example:
-        >>> plan_beside(planner, "300MiB", 300 << 20, "dp").budget_bytes
+        >>> plan_beside(planner, "300MiB", 300 << 20, "dp", since).budget_bytes
     """
-    beside = planner.profile.beside_bytes if read_budget(budget)[0] != "fraction" else 0
+    beside = 0
+    if read_budget(budget)[0] != "fraction":
+        if since is not None:
+            gc.collect()  # garbage would read as planning's own
+        now = malloc_in_use() if since is not None else None
+        beside = planner.profile.beside_bytes + (max(0, now - since) if now is not None else 0)
     try:
         return planner.plan(budget_bytes - beside, solver)
     except BudgetError as exc:
@@ -255,8 +268,9 @@ def plan_beside(
             raise
         planned = f"the budget of {format_bytes(budget_bytes - beside)}"
         whole = (
-            f"the budget of {format_bytes(budget_bytes)} (less {format_bytes(beside)} the step "
-            "holds from malloc beside its tensors: autograd's graph, Python objects)"
+            f"the budget of {format_bytes(budget_bytes)} (less {format_bytes(beside)} held "
+            "from malloc beside the step's tensors: autograd's graph, Python objects, "
+            "planning's own)"
         )
         raise BudgetError(
             f"{str(exc).replace(planned, whole, 1)} The least budget that fits is "
@@ -284,8 +298,9 @@ def with_real_kernels(model: nn.Module, raw: Profile, specs: SpecSink, room: int
         format_bytes(max((r.workspace for r in replayed.readings.values()), default=0)),
     )  # fmt: skip
     # Plans from it are checked on steps measured under the allocator's events, whose
-    # own records malloc holds too (an event per allocation and free): counted beside.
-    measuring = tracker_bytes(2 * len(raw.storages))
+    # own records malloc holds too (an event per allocation and free, and per moment the
+    # check reads, gradckpt.measure.beside.BesideReading): counted beside.
+    measuring = tracker_bytes(2 * (len(raw.storages) + len(raw.ops)))
     return replace(with_replayed(raw, replayed), beside_bytes=raw.beside_bytes + measuring)
 
 

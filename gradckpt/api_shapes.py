@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from gradckpt.apply.real_shape import (
     unseen_share,
     verified_at_shape,
 )
+from gradckpt.measure.beside import malloc_in_use
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan, Segment
@@ -95,6 +97,8 @@ def plan_fitted(
     Example:
         >>> call, plan, prof = plan_fitted(model, loss_fn, 0.5, PlanOptions())
     """
+    gc.collect()  # the caller's garbage is not planning's
+    since = malloc_in_use()  # what planning then holds is counted with the steps it checks
     recording = replan.capture_call(model, loss_fn)
     given = options.profile
     raw_fake = None  # set when the plain step may not fit: planned from fake tensors
@@ -113,7 +117,7 @@ def plan_fitted(
         segments = False
     planner = Planner(prof, segments=segments, offload=options.offload)
     budget_bytes = planner.budget_bytes(budget)
-    chosen = plan_beside(planner, budget, budget_bytes, options.solver)  # autograd's graph too
+    chosen = plan_beside(planner, budget, budget_bytes, options.solver, since)
     measured = measure_candidates and not prof.fake
     if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
         from gradckpt.apply.frugal import frugal_measured
@@ -121,7 +125,7 @@ def plan_fitted(
         with shape_guard.paused(model):
             chosen = frugal_measured(model, recording, planner, raw_fake, chosen, budget_bytes,
                                      max(1, measure_candidates), rounds=3 if measure_candidates else 1,
-                                     solver=options.solver)  # fmt: skip
+                                     solver=options.solver, since=since)  # fmt: skip
         measured = True
     elif measured:
         from gradckpt.apply.select import fastest_measured
@@ -135,7 +139,7 @@ def plan_fitted(
             # Known only now that the forward is never called: its segments would not open.
             chosen = plan_beside(
                 Planner(prof, segments=False, offload=options.offload), budget, budget_bytes,
-                options.solver,
+                options.solver, since,
             )  # fmt: skip
     chosen = replace(chosen, budget_bytes=budget_bytes)
     fitted = replace(calls[0], profile=prof, plan=chosen) if calls else None

@@ -368,8 +368,9 @@ class AllocatorTracker:
         #: CUDA: the most the caching allocator had reserved from the device during the
         #: region, in all (not above entry): what an out-of-memory error sees. None on CPU.
         self.reserved_high_water_bytes: int | None = None
-        #: The allocator's level above entry at each :meth:`note_level`, read at exit.
-        self.levels: list[int] = []
+        #: The allocator's level above entry at each :meth:`note_level`, read at exit
+        #: (None: the moment left no event to read it from).
+        self.levels: list[int | None] = []
         self._events: MemoryEvents | None = None
         self._entry = (0, 0)
         self._noted = 0
@@ -418,8 +419,8 @@ class AllocatorTracker:
         self.peak_bytes = self._events.peak_bytes
         self.end_bytes = self._events.end_bytes
         spans = self._events.spans() if self._noted else {}
-        self.levels = [spans[_LEVEL_MARKS + i].before for i in range(self._noted)
-                       if _LEVEL_MARKS + i in spans]  # fmt: skip
+        levels = (spans.get(_LEVEL_MARKS + i) for i in range(self._noted))
+        self.levels = [span.before if span is not None else None for span in levels]
 
     def __repr__(self) -> str:
         return f"AllocatorTracker({self.device}, peak={self.peak_bytes} B, end={self.end_bytes} B)"

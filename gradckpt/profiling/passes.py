@@ -17,7 +17,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 
 from gradckpt.measure.allocator import AllocatorTracker
-from gradckpt.measure.beside import BesideReading, malloc_in_use
+from gradckpt.measure.beside import BesideReading, graph_nodes, malloc_in_use
 from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profiling.accumulation import InPlaceCheck, node_boundaries
 from gradckpt.profiling.recorder import RecordMode, StepRecorder
@@ -121,6 +121,8 @@ def run_pass(
         state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
         if before is not None:  # fake: no tensor allocated, what malloc took is all beside
             recorder.beside_bytes = _beside(before)
+            for node in graph_nodes(loss.grad_fn):  # and as backward runs (its own objects)
+                node.register_prehook(lambda _, r=recorder, b=before: _most_beside(r, b))
         recorder.forward = False
         if plain:
             # Gradients accumulate as in the plain step (in place where it can).
@@ -149,6 +151,10 @@ def _beside(before: int | None) -> int:
     return max(0, now - before)
 
 
+def _most_beside(recorder: StepRecorder, before: int) -> None:
+    recorder.beside_bytes = max(recorder.beside_bytes, _beside(before))
+
+
 def time_plain_step(
     loss_fn: Callable[[], torch.Tensor],
     guard: StepState,
@@ -175,7 +181,7 @@ def time_plain_step(
             with AllocatorTracker(torch.device("cpu")) as tracker:
                 beside = BesideReading(tracker)
                 loss = loss_fn()
-                beside.forward_done()
+                beside.forward_done(loss)
                 loss.backward()
                 del loss
             recorded.beside_bytes = beside.bytes()

@@ -106,7 +106,7 @@ class _Runs:
                     loss = loss_fn()
                     self.guard.adopt_graph(loss)
                     if tracker is not None:
-                        beside.forward_done()  # the first micro-batch's graph, whole
+                        beside.forward_done(loss)  # the first micro-batch's graph
                     loss.backward()
                     del loss
                     _sync(self.device)
