@@ -237,6 +237,7 @@ def plan_beside(
     budget_bytes: int,
     solver: str | Solver,
     since: int | None = None,
+    at_malloc: bool = True,
 ) -> Plan:
     """The plan for ``budget`` (``budget_bytes`` in bytes) less what the step holds
     beside its tensors, and what planning holds meanwhile.
@@ -248,14 +249,16 @@ def plan_beside(
     above ``since``, :func:`~gradckpt.measure.beside.malloc_in_use` when planning
     began). A byte budget counted at malloc's level holds them, so the tensors are
     planned for what is left. A fraction of the plain peak is of the tensors' peak:
-    nothing is taken off. The plan's ``budget_bytes`` is the share planned for; the
-    caller puts the whole budget back once its candidates are chosen.
+    nothing is taken off; nor with ``at_malloc=False`` (offload: on the CPU, the host
+    memory it moves tensors to is malloc's too). The plan's ``budget_bytes`` is the
+    share planned for; the caller puts the whole budget back once its candidates are
+    chosen.
 
     Example:
         >>> plan_beside(planner, "300MiB", 300 << 20, "dp", since).budget_bytes
     """
     beside = 0
-    if read_budget(budget)[0] != "fraction":
+    if at_malloc and read_budget(budget)[0] != "fraction":
         if since is not None:
             gc.collect()  # garbage would read as planning's own
         now = malloc_in_use() if since is not None else None

@@ -97,8 +97,11 @@ def plan_fitted(
     Example:
         >>> call, plan, prof = plan_fitted(model, loss_fn, 0.5, PlanOptions())
     """
+    # What planning then holds is counted with the steps it checks, at malloc's level;
+    # not with offload: on the CPU the host memory it moves tensors to is malloc's too.
+    at_malloc = options.offload is None
     gc.collect()  # the caller's garbage is not planning's
-    since = malloc_in_use()  # what planning then holds is counted with the steps it checks
+    since = malloc_in_use() if at_malloc else None
     recording = replan.capture_call(model, loss_fn)
     given = options.profile
     raw_fake = None  # set when the plain step may not fit: planned from fake tensors
@@ -117,7 +120,7 @@ def plan_fitted(
         segments = False
     planner = Planner(prof, segments=segments, offload=options.offload)
     budget_bytes = planner.budget_bytes(budget)
-    chosen = plan_beside(planner, budget, budget_bytes, options.solver, since)
+    chosen = plan_beside(planner, budget, budget_bytes, options.solver, since, at_malloc)
     measured = measure_candidates and not prof.fake
     if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
         from gradckpt.apply.frugal import frugal_measured
@@ -125,7 +128,8 @@ def plan_fitted(
         with shape_guard.paused(model):
             chosen = frugal_measured(model, recording, planner, raw_fake, chosen, budget_bytes,
                                      max(1, measure_candidates), rounds=3 if measure_candidates else 1,
-                                     solver=options.solver, since=since)  # fmt: skip
+                                     solver=options.solver, since=since,
+                                     at_malloc=at_malloc)  # fmt: skip
         measured = True
     elif measured:
         from gradckpt.apply.select import fastest_measured
@@ -139,7 +143,7 @@ def plan_fitted(
             # Known only now that the forward is never called: its segments would not open.
             chosen = plan_beside(
                 Planner(prof, segments=False, offload=options.offload), budget, budget_bytes,
-                options.solver, since,
+                options.solver, since, at_malloc,
             )  # fmt: skip
     chosen = replace(chosen, budget_bytes=budget_bytes)
     fitted = replace(calls[0], profile=prof, plan=chosen) if calls else None

@@ -58,10 +58,11 @@ class _Runner:
 
     def __init__(
         self, model: nn.Module, loss_fn: Callable[[], torch.Tensor], raw: Profile,
-        since: int | None = None,
+        since: int | None = None, at_malloc: bool = True,
     ) -> None:  # fmt: skip
         self.model, self.loss_fn, self.raw = model, loss_fn, raw
         self.since = since  # malloc's bytes in use when planning began
+        self.at_malloc = at_malloc
         self.guard = StepState(model)
         self.clock = work_clock(raw.device)
         self.device = model_device(model)
@@ -80,7 +81,7 @@ class _Runner:
         # On CUDA an out-of-memory error sees what the caching allocator reserved.
         measured = max(measured, reading.reserved_high_water_bytes or 0)
         allocator = measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
-        return reading.seconds, Excess(allocator, reading.beside_bytes)
+        return reading.seconds, Excess(allocator, reading.beside_bytes if self.at_malloc else 0)
 
 
 class Excess(NamedTuple):
@@ -109,6 +110,7 @@ def frugal_measured(
     rounds: int = 3,
     solver: object = "dp",
     since: int | None = None,
+    at_malloc: bool = True,
 ) -> Plan:
     """The plan to keep, checked on real steps (see the module docstring).
 
@@ -117,11 +119,13 @@ def frugal_measured(
     ``since``: malloc's bytes in use when planning began
     (:func:`~gradckpt.measure.beside.malloc_in_use`): what planning holds while the
     steps run (profiles, plans) is counted against the budget with them.
+    ``at_malloc=False``: what the steps hold beside the allocator is not counted
+    (offload: on the CPU, its host memory is malloc's too).
 
     Raises:
         BudgetError: even the leanest plan measured over the budget.
     """
-    runner = _Runner(model, loss_fn, raw, since)
+    runner = _Runner(model, loss_fn, raw, since, at_malloc)
     try:
         # As profiled (transformers: no KV cache), so the steps compare with the profile.
         with adapters.preparing(model), runner.guard.watching_modules():
