@@ -96,9 +96,13 @@ class BesideReading:
         >>> beside.bytes()
     """
 
-    def __init__(self, tracker: AllocatorTracker, since: int | None = None) -> None:
+    def __init__(
+        self, tracker: AllocatorTracker, since: int | None = None, *, less_kept: bool = False
+    ) -> None:
         self.tracker = tracker
-        self.before = malloc_in_use() if tracker.device.type == "cpu" else None
+        self.less_kept = less_kept
+        self.start = malloc_in_use() if tracker.device.type == "cpu" else None
+        self.before = self.start
         if self.before is not None and since is not None:
             # From an earlier moment (a planning call's start): what the caller holds
             # while the step runs (its profile, plans, specs) counts as beside it too.
@@ -124,12 +128,22 @@ class BesideReading:
             self.tracker.note_level()
 
     def bytes(self) -> int:
-        """The most bytes beside the allocator's at a noted moment, above the step's start."""
-        if self.before is None:
+        """The most bytes beside the allocator's at a noted moment, above the step's start
+        (or ``since``); with ``less_kept``, less what the step left held beside its tensors
+        (read when called: call it right after the tracker's region).
+
+        What a step keeps after it ends can be a library's one-time buffer (MKL keeps
+        ~10 MiB from the process's first large matrix product): ``tune``'s steps at
+        micro-batch sizes no training runs would take it for theirs.
+        """
+        if self.before is None or self.start is None or not self.readings:
             return 0
         pairs = zip(self.readings, self.tracker.levels)
-        return max((now - self.before - level for now, level in pairs if level is not None),
-                   default=0) if self.readings else 0  # fmt: skip
+        most = max((now - self.before - level for now, level in pairs if level is not None),
+                   default=0)  # fmt: skip
+        end = malloc_in_use() if self.less_kept else None
+        kept = end - self.start - self.tracker.end_bytes if end is not None else 0
+        return max(0, most - max(0, kept))
 
 
 def graph_nodes(root: object) -> list:

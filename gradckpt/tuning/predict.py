@@ -21,14 +21,12 @@ from collections.abc import Callable
 
 from torch import nn
 
-from gradckpt.api_budget import with_real_kernels
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solve import solve
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling.records import Profile
-from gradckpt.profiling.replay import capturing_specs
 from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
@@ -39,17 +37,9 @@ from gradckpt.tuning.timing import BatchTimes
 __all__ = ["fake_profile", "predict_candidates"]
 
 
-def fake_profile(
-    model: nn.Module, make_loss: MakeLoss, b: int, blocks: BlockSpec, room: int | None = None
-) -> Profile:
-    """The step at micro-batch ``b`` under fake tensors (value reads answered); with
-    ``room`` (bytes beside the resident state a real run may hold), each distinct op run
-    once for real for its workspace (:func:`gradckpt.api_budget.with_real_kernels`)."""
-    if room is None:
-        return profile_step(model, make_loss(b), blocks=blocks, fake=True, answer_scalars=True)
-    with capturing_specs(model) as specs:
-        raw = profile_step(model, make_loss(b), blocks=blocks, fake=True, answer_scalars=True)
-    return with_real_kernels(model, raw, specs, room - raw.param_bytes)
+def fake_profile(model: nn.Module, make_loss: MakeLoss, b: int, blocks: BlockSpec) -> Profile:
+    """The step at micro-batch ``b`` under fake tensors (value reads answered)."""
+    return profile_step(model, make_loss(b), blocks=blocks, fake=True, answer_scalars=True)
 
 
 def _strategies(whole: Profile, budget: int) -> list[tuple[str, object]]:
