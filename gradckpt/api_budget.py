@@ -14,7 +14,9 @@
   estimated from FLOPs and bytes) and checked by running plans that fit, the
   leanest first (:mod:`gradckpt.apply.frugal`). If the step cannot run under
   fake tensors, gradckpt warns and profiles the plain step for real: the one
-  route that may exceed the budget, said so when it happens. A fraction budget
+  route that may exceed the budget, said so when it happens. A real profile
+  under a byte budget bounds what the CPU malloc probe holds to what the budget
+  leaves beside the step (:func:`~gradckpt.measure.outside.held_at_most`). A fraction budget
   (``0.5``, ``"50%"``) is relative to the plain peak, which then has to be
   measured: the plain step is profiled for real.
 
@@ -27,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -36,13 +39,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradckpt.measure.beside import malloc_in_use, tracker_bytes
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
+from gradckpt.measure.outside import held_at_most
+from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.solving.budget import read_budget
+from gradckpt.planning.solving.budget import BudgetError, read_budget
+from gradckpt.planning.solving.replayed import with_replayed
+from gradckpt.planning.solving.solvers import Solver
 from gradckpt.planning.solving.whole_step import check_floor, with_training_step
 from gradckpt.profiling.records import Profile
+from gradckpt.profiling.replay import SpecSink, capturing_specs, replay_ops
 from gradckpt.profiling.run import profile as profile_step
 from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import BlockSpec
@@ -54,9 +63,11 @@ __all__ = [
     "budget_profile",
     "check_step_arguments",
     "held_bytes",
+    "plan_beside",
     "resident_bytes",
     "resolve_budget",
     "training_step",
+    "with_real_kernels",
 ]
 
 logger = logging.getLogger("gradckpt")
@@ -181,10 +192,10 @@ def budget_profile(
         >>> prof, fake = budget_profile(model, loss_fn, 300 << 20, None)
     """
 
-    def real() -> Profile:
-        return with_training_step(
-            profile_step(model, loss_fn, blocks=blocks, repeats=repeats), step
-        )
+    def real(room: int | None = None) -> Profile:
+        with held_at_most(room):
+            prof = profile_step(model, loss_fn, blocks=blocks, repeats=repeats)
+        return with_training_step(prof, step)
 
     kind, value = read_budget(budget)
     if kind != "bytes":
@@ -192,7 +203,8 @@ def budget_profile(
     try:
         # A step that reads a value (a logged loss.item()) gets placeholders: the plan
         # made from it is checked on real steps (gradckpt.apply.frugal).
-        raw = profile_step(model, loss_fn, blocks=blocks, fake=True, answer_scalars=True)
+        with capturing_specs(model) as specs:
+            raw = profile_step(model, loss_fn, blocks=blocks, fake=True, answer_scalars=True)
     except Exception as exc:  # a model that cannot run under fake tensors
         warnings.warn(
             f"gradckpt: could not profile {type(model).__name__} under fake tensors "
@@ -201,16 +213,98 @@ def budget_profile(
             stacklevel=3,
         )
         return real(), None
+    check_floor(with_training_step(raw, step), int(value))  # before anything runs for real
+    # Each distinct op once, alone: the plain peak with its kernels' workspace (a
+    # U-Net's is 26% over its tensors'), before deciding whether the plain step fits.
+    raw = with_real_kernels(model, raw, specs, int(value) - raw.param_bytes - held_bytes)
+    profiled = (raw.measured_peak_bytes + held_bytes) * (1 + PLAIN_MARGIN)
+    if profiled <= value:
+        # The malloc probe's held heap chunks (gradckpt.measure.outside) get what the
+        # budget leaves beside the step and its margin, no more.
+        return real(int(value - profiled)), None
     fake = with_training_step(raw, step)
-    check_floor(fake, int(value))  # before anything runs for real
-    if (raw.measured_peak_bytes + held_bytes) * (1 + PLAIN_MARGIN) <= value:
-        return real(), None
     logger.info(
         "gradckpt: the plain step (%s predicted) may not fit the budget of %s: planning "
         "from fake tensors, checking on steps that run under a plan",
         format_bytes(fake.measured_peak_bytes), format_bytes(int(value)),
     )  # fmt: skip
     return fake, raw
+
+
+def plan_beside(
+    planner: Planner,
+    budget: int | float | str,
+    budget_bytes: int,
+    solver: str | Solver,
+    since: int | None = None,
+    at_malloc: bool = True,
+) -> Plan:
+    """The plan for ``budget`` (``budget_bytes`` in bytes) less what the step holds
+    beside its tensors, and what planning holds meanwhile.
+
+    Autograd's graph and the step's Python objects come from malloc too
+    (``Profile.beside_bytes``: 64 KiB on a 106-op ResNet step, 190 KiB on a 620-op
+    GPT, 1.3 MiB on a small Mamba's scan), and so do planning's own objects while
+    its checks run (the profiles, the specs of a fake one: what malloc holds now
+    above ``since``, :func:`~gradckpt.measure.beside.malloc_in_use` when planning
+    began). A byte budget counted at malloc's level holds them, so the tensors are
+    planned for what is left. A fraction of the plain peak is of the tensors' peak:
+    nothing is taken off; nor with ``at_malloc=False`` (offload: on the CPU, the host
+    memory it moves tensors to is malloc's too). The plan's ``budget_bytes`` is the
+    share planned for; the caller puts the whole budget back once its candidates are
+    chosen.
+
+    Example:
+        >>> plan_beside(planner, "300MiB", 300 << 20, "dp", since).budget_bytes
+    """
+    beside = 0
+    if at_malloc and read_budget(budget)[0] != "fraction":
+        if since is not None:
+            gc.collect()  # garbage would read as planning's own
+        now = malloc_in_use() if since is not None else None
+        beside = planner.profile.beside_bytes + (max(0, now - since) if now is not None else 0)
+    try:
+        return planner.plan(budget_bytes - beside, solver)
+    except BudgetError as exc:
+        least = exc.least_peak_bytes
+        if not beside or least is None:
+            raise
+        planned = f"the budget of {format_bytes(budget_bytes - beside)}"
+        whole = (
+            f"the budget of {format_bytes(budget_bytes)} (less {format_bytes(beside)} held "
+            "from malloc beside the step's tensors: autograd's graph, Python objects, "
+            "planning's own)"
+        )
+        raise BudgetError(
+            f"{str(exc).replace(planned, whole, 1)} The least budget that fits is "
+            f"{format_bytes(least + beside, round_up=True)}.",
+            least_peak_bytes=least + beside,
+        ) from exc
+
+
+def with_real_kernels(model: nn.Module, raw: Profile, specs: SpecSink, room: int) -> Profile:
+    """The fake profile ``raw`` with its ops' workspace and times from real runs of each
+    distinct op (:mod:`gradckpt.profiling.replay`), on ops whose run holds at most
+    ``room`` bytes. A model with parameters on the meta device is left as it is.
+
+    Example:
+        >>> with capturing_specs(model) as specs:
+        ...     raw = profile_step(model, loss_fn, fake=True)
+        >>> planned = with_real_kernels(model, raw, specs, budget - raw.param_bytes)
+    """
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return raw  # no real tensors to run with: the estimates stay
+    replayed = replay_ops(raw, specs.plain(), model, room)
+    logger.info(
+        "gradckpt: ran %d ops of the fake profile for real (%d not run): workspace %s at most",
+        len(replayed.readings), len(raw.ops) - len(replayed.readings),
+        format_bytes(max((r.workspace for r in replayed.readings.values()), default=0)),
+    )  # fmt: skip
+    # Plans from it are checked on steps measured under the allocator's events, whose
+    # own records malloc holds too (an event per allocation and free, and per moment the
+    # check reads, gradckpt.measure.beside.BesideReading): counted beside.
+    measuring = tracker_bytes(2 * (len(raw.storages) + len(raw.ops)))
+    return replace(with_replayed(raw, replayed), beside_bytes=raw.beside_bytes + measuring)
 
 
 def annotated(plan: Plan, device: DeviceMemory | None) -> Plan:

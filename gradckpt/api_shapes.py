@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import warnings
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from gradckpt import replan
-from gradckpt.api_budget import budget_profile
+from gradckpt.api_budget import budget_profile, plan_beside
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
 from gradckpt.apply.real_shape import (
@@ -32,6 +33,7 @@ from gradckpt.apply.real_shape import (
     unseen_share,
     verified_at_shape,
 )
+from gradckpt.measure.beside import malloc_in_use
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.calls import as_called
 from gradckpt.planning.plans.offload_options import OffloadOptions
@@ -107,6 +109,11 @@ def plan_fitted(
     Example:
         >>> call, plan, prof = plan_fitted(model, loss_fn, 0.5, PlanOptions())
     """
+    # What planning then holds is counted with the steps it checks, at malloc's level;
+    # not with offload: on the CPU the host memory it moves tensors to is malloc's too.
+    at_malloc = options.offload is None
+    gc.collect()  # the caller's garbage is not planning's
+    since = malloc_in_use() if at_malloc else None
     recording = replan.capture_call(model, loss_fn)
     given = options.profile
     raw_fake = None  # set when the plain step may not fit: planned from fake tensors
@@ -126,7 +133,7 @@ def plan_fitted(
     planner = Planner(prof, segments=segments, offload=options.offload, chunking=options.chunking)
     budget_bytes = planner.budget_bytes(budget)
     try:
-        chosen = planner.plan(budget_bytes, options.solver)
+        chosen = plan_beside(planner, budget, budget_bytes, options.solver, since, at_malloc)
     except BudgetError as exc:  # just under the least predicted peak: the real step decides
         with shape_guard.paused(model):
             chosen = _leanest_if_it_fits(model, recording, planner, budget_bytes, exc)
@@ -138,7 +145,8 @@ def plan_fitted(
         with shape_guard.paused(model):
             chosen = frugal_measured(model, recording, planner, raw_fake, chosen, budget_bytes,
                                      max(1, measure_candidates), rounds=3 if measure_candidates else 1,
-                                     solver=options.solver)  # fmt: skip
+                                     solver=options.solver, since=since,
+                                     at_malloc=at_malloc)  # fmt: skip
         measured = True
     elif measured:
         from gradckpt.apply.select import fastest_measured
@@ -150,11 +158,11 @@ def plan_fitted(
         _see_call(model, recording)
         if not calls and segments and any(isinstance(i, Segment) for i in chosen.items):
             # Known only now that the forward is never called: its segments would not open.
-            chosen = Planner(
-                prof, segments=False, offload=options.offload, chunking=options.chunking
-            ).plan(
-                budget_bytes, options.solver
-            )
+            chosen = plan_beside(
+                Planner(prof, segments=False, offload=options.offload, chunking=options.chunking),
+                budget, budget_bytes, options.solver, since, at_malloc,
+            )  # fmt: skip
+    chosen = replace(chosen, budget_bytes=budget_bytes)
     fitted = replace(replan.step_call(calls), profile=prof, plan=chosen) if calls else None
     return fitted, chosen, prof
 

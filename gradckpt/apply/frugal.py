@@ -29,6 +29,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -55,25 +56,46 @@ TRIES = 3
 class _Runner:
     """Runs the step under a plan; each step starts from the state the model was found in."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[], torch.Tensor], raw: Profile) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: Callable[[], torch.Tensor], raw: Profile,
+        since: int | None = None, at_malloc: bool = True,
+    ) -> None:  # fmt: skip
         self.model, self.loss_fn, self.raw = model, loss_fn, raw
+        self.since = since  # malloc's bytes in use when planning began
+        self.at_malloc = at_malloc
         self.guard = StepState(model)
         self.clock = work_clock(raw.device)
         self.device = model_device(model)
 
-    def run(self, plan: Plan, measure: bool) -> tuple[float, int | None]:
-        """(step seconds, bytes the allocator held beyond the fake prediction or None)."""
+    def run(self, plan: Plan, measure: bool) -> tuple[float, Excess | None]:
+        """(step seconds, what the step held beyond the fake prediction, or None unmeasured)."""
         apply(self.model, plan)
         try:
             if not measure:
                 return timed_step(self.guard, self.loss_fn, self.device, self.clock), None
-            reading = measured_step(self.guard, self.loss_fn, self.device, self.clock)
+            reading = measured_step(self.guard, self.loss_fn, self.device, self.clock,
+                                    beside_since=self.since)  # fmt: skip
         finally:
             remove(self.model)
         measured = self.raw.param_bytes + reading.peak_bytes
         # On CUDA an out-of-memory error sees what the caching allocator reserved.
         measured = max(measured, reading.reserved_high_water_bytes or 0)
-        return reading.seconds, measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
+        allocator = measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
+        return reading.seconds, Excess(allocator, reading.beside_bytes if self.at_malloc else 0)
+
+
+class Excess(NamedTuple):
+    """What a real step held beyond a plan's fake prediction: at the allocator (kernel
+    workspace no op's run showed, rounding), and beside the allocator's blocks at malloc's
+    level (autograd's graph, Python objects, planning's own, the tracker's records). A
+    budget holds both; a plan's predicted peak stays at the allocator.
+    """
+
+    allocator: int = 0
+    beside: int = 0
+
+    def most(self, other: Excess) -> Excess:
+        return Excess(max(self.allocator, other.allocator), max(self.beside, other.beside))
 
 
 def frugal_measured(
@@ -87,16 +109,23 @@ def frugal_measured(
     *,
     rounds: int = 3,
     solver: object = "dp",
+    since: int | None = None,
+    at_malloc: bool = True,
 ) -> Plan:
     """The plan to keep, checked on real steps (see the module docstring).
 
     ``planner`` plans from the whole-step fake profile; ``raw`` is the fake profile
     before the training step was folded in (what one measured step is compared with).
+    ``since``: malloc's bytes in use when planning began
+    (:func:`~gradckpt.measure.beside.malloc_in_use`): what planning holds while the
+    steps run (profiles, plans) is counted against the budget with them.
+    ``at_malloc=False``: what the steps hold beside the allocator is not counted
+    (offload: on the CPU, its host memory is malloc's too).
 
     Raises:
         BudgetError: even the leanest plan measured over the budget.
     """
-    runner = _Runner(model, loss_fn, raw)
+    runner = _Runner(model, loss_fn, raw, since, at_malloc)
     try:
         # As profiled (transformers: no KV cache), so the steps compare with the profile.
         with adapters.preparing(model), runner.guard.watching_modules():
@@ -112,19 +141,23 @@ def _checked(
     leanest, _ = planner.least_peak()
     candidates = candidate_plans(planner, chosen, count)
     planner.release()  # its DP tables are CPU memory: not held while steps run
-    _, missed = runner.run(leanest, measure=True)
-    missed = max(0, missed or 0)
-    if _whole(planner, leanest, missed) > budget:
+    _, seen = runner.run(leanest, measure=True)
+    missed = Excess().most(seen or Excess())
+    if _held(planner, leanest, missed) > budget:
+        least = _held(planner, leanest, missed)
         raise BudgetError(
-            f"the leanest plan measured {format_bytes(_whole(planner, leanest, missed))} for "
-            f"the whole step on a real step ({format_bytes(missed)} more than fake tensors "
-            f"predicted: kernel workspace), over the budget of {format_bytes(budget)}",
-            least_peak_bytes=_whole(planner, leanest, missed),
+            f"the leanest plan measured {format_bytes(least)} for the whole step on a real "
+            f"step ({format_bytes(least - _whole(planner, leanest, 0))} more than predicted: "
+            f"memory the kernels, autograd and planning took that the profile did not show), "
+            f"over the budget of {format_bytes(budget)}; a budget of "
+            f"{format_bytes(least, round_up=True)} holds it, or shrink the batch",
+            least_peak_bytes=least,
         )
     for _ in range(TRIES):
-        if _whole(planner, chosen, missed) <= budget:
+        if _held(planner, chosen, missed) <= budget:
             break
-        chosen = _with_budget(planner.plan(budget - missed, solver), budget)  # type: ignore[arg-type]
+        target = budget - missed.allocator - missed.beside
+        chosen = _with_budget(planner.plan(target, solver), budget)  # type: ignore[arg-type]
         candidates = candidate_plans(planner, chosen, count)
         planner.release()
     times: list[list[float]] = [[] for _ in candidates]
@@ -133,13 +166,15 @@ def _checked(
         for i, candidate in enumerate(candidates):
             if i in over:
                 continue
-            if _whole(planner, candidate, missed) > budget:
-                over.add(i)  # never run a plan predicted over the budget
-                continue
-            seconds, extra = runner.run(candidate, measure=r == 0)
-            if extra is not None and _whole(planner, candidate, extra) > budget:
+            if _held(planner, candidate, missed) > budget:  # never run one predicted over
                 over.add(i)
                 continue
+            seconds, seen = runner.run(candidate, measure=r == 0)
+            if seen is not None:
+                missed = missed.most(seen)  # the next candidates are predicted with it
+                if _held(planner, candidate, seen) > budget:
+                    over.add(i)
+                    continue
             times[i].append(seconds)
     kept = [i for i in range(len(candidates)) if i not in over and times[i]]
     if not kept:
@@ -155,12 +190,17 @@ def _whole(planner: Planner, plan: Plan, extra: int) -> int:
     return max(pred.fwd_bwd_peak_bytes + extra, planner.profile.floor_bytes)
 
 
+def _held(planner: Planner, plan: Plan, excess: Excess) -> int:
+    """What the budget holds for ``plan``'s step: its allocator peak and what is beside it."""
+    return _whole(planner, plan, excess.allocator) + excess.beside
+
+
 def _with_budget(plan: Plan, budget: int) -> Plan:
     return replace(plan, budget_bytes=budget)
 
 
-def _measured(planner: Planner, plan: Plan, budget: int, missed: int) -> Plan:
+def _measured(planner: Planner, plan: Plan, budget: int, missed: Excess) -> Plan:
     """``plan`` with its peak predicted at the allocator: the fake prediction plus what the
-    real steps held beyond it."""
-    return replace(plan, budget_bytes=budget, predicted_peak_bytes=_whole(planner, plan, missed),
-                   peak_level="allocator")  # fmt: skip
+    real steps held beyond it there."""
+    peak = _whole(planner, plan, missed.allocator)
+    return replace(plan, budget_bytes=budget, predicted_peak_bytes=peak, peak_level="allocator")

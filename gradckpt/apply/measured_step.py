@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading
 from gradckpt.measure.timing import work_clock
 from gradckpt.profiling.state import StepState
 
@@ -50,6 +51,11 @@ class StepReading:
     seconds: float
     peak_bytes: int
     reserved_high_water_bytes: int | None
+    #: CPU with glibc: the most the step held from malloc beside the allocator's blocks, at
+    #: its forward's end or a backward node's start (autograd's graph, Python objects, the
+    #: allocator's records: :class:`gradckpt.measure.beside.BesideReading`);
+    #: 0 where it cannot be read. A budget counted at malloc's level holds it too.
+    beside_bytes: int = 0
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -67,6 +73,8 @@ def measured_step(
     loss_fn: Callable[[], torch.Tensor],
     device: torch.device,
     clock: Callable[[], float] | None = None,
+    *,
+    beside_since: int | None = None,
 ) -> StepReading:
     """Run ``loss_fn().backward()`` once from ``state``'s snapshot, timed and measured.
 
@@ -79,6 +87,9 @@ def measured_step(
         device: where the step allocates (:func:`model_device`).
         clock: the clock to time with (default: :func:`~gradckpt.measure.timing.work_clock`
             of ``device``).
+        beside_since: malloc's bytes in use when the caller's work began
+            (:func:`~gradckpt.measure.beside.malloc_in_use`): what it holds while the step
+            runs is counted in ``beside_bytes`` (default: from the step's start).
 
     Example:
         >>> measured_step(state, loss_fn, torch.device("cpu")).peak_bytes
@@ -87,9 +98,12 @@ def measured_step(
     state.reset()
     start = clock()
     with AllocatorTracker(device) as tracker:
-        _step(state, loss_fn, device)
+        beside = BesideReading(tracker, since=beside_since)
+        _step(state, loss_fn, device, beside.forward_done)
     seconds = clock() - start
-    return StepReading(seconds, tracker.peak_bytes, tracker.reserved_high_water_bytes)
+    return StepReading(
+        seconds, tracker.peak_bytes, tracker.reserved_high_water_bytes, beside.bytes()
+    )
 
 
 def timed_step(
@@ -110,9 +124,16 @@ def timed_step(
     return clock() - start
 
 
-def _step(state: StepState, loss_fn: Callable[[], torch.Tensor], device: torch.device) -> None:
+def _step(
+    state: StepState,
+    loss_fn: Callable[[], torch.Tensor],
+    device: torch.device,
+    forward_done: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     loss = loss_fn()
     state.adopt_graph(loss)  # leaves outside the model the step reaches
+    if forward_done is not None:
+        forward_done(loss)  # autograd's graph is whole here; its nodes are hooked
     loss.backward()
     del loss  # freed inside a measured region, as in a plain step
     if device.type == "cuda":

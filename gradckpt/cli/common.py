@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,21 +78,44 @@ def check_writable(path: str | Path, flag: str, *, folder: bool = False) -> None
     Example:
         >>> check_writable("plan.json", "--out")
     """
-    target = Path(path)
+    try:
+        _check_writable(Path(path), flag, folder)
+    except OSError as e:  # a name too long, /proc, a read-only file system
+        raise CliError(
+            f"{flag} {str(path)!r} cannot be written: {e.strerror or type(e).__name__}"
+        ) from e
+
+
+def _check_writable(target: Path, flag: str, folder: bool) -> None:
+    path = str(target)
     if not folder and target.is_dir():
-        raise CliError(f"{flag} {str(path)!r} is a directory; give a file name in it, such as "
+        raise CliError(f"{flag} {path!r} is a directory; give a file name in it, such as "
                        f"{str(target / 'plan.json')!r}")  # fmt: skip
     if folder and target.exists() and not target.is_dir():
-        raise CliError(f"{flag} {str(path)!r} is a file, not a folder")
+        raise CliError(f"{flag} {path!r} is a file, not a folder")
     existing = target if folder and target.is_dir() else target.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise CliError(f"{flag} {str(path)!r} cannot be written: {str(existing)!r} is a file")
+        raise CliError(f"{flag} {path!r} cannot be written: {str(existing)!r} is a file")
     if not os.access(existing, os.W_OK):
-        raise CliError(
-            f"{flag} {str(path)!r} cannot be written: no permission in {str(existing)!r}"
-        )
+        raise CliError(f"{flag} {path!r} cannot be written: no permission in {str(existing)!r}")
+    _try_writing(target, existing, folder)
+
+
+def _try_writing(target: Path, existing: Path, folder: bool) -> None:
+    """Create (and remove) a file where ``target`` will be written, or open it to append:
+    ``os.access`` says yes to root on any folder, and to paths in /proc or /sys."""
+    if not folder and target.parent == existing:
+        if target.exists():
+            with open(target, "ab"):  # nothing written: the file stays as it was
+                return
+        with open(target, "xb"):
+            pass
+        target.unlink()
+        return
+    with tempfile.TemporaryFile(dir=existing):  # the folders below it are made later
+        pass
 
 
 def budget_at_least(nbytes: int) -> str:

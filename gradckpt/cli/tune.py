@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
     from gradckpt.cli import _budget, _common, positive_int, positive_ints
 
     _whole = positive_int("samples per optimizer step")
+    _rounds = positive_int("real runs per measured candidate")
     _sizes = positive_ints("micro-batch sizes >= 1", "1,2,4")
 
     p = sub.add_parser(
@@ -86,7 +87,7 @@ def add_parser(sub: Any) -> None:
         help="gradients are zeroed in place (resident through every forward); default: set to None",
     )  # fmt: skip
     p.add_argument(
-        "--rounds", type=_whole, default=3, metavar="N",
+        "--rounds", type=_rounds, default=3, metavar="N",
         help="real runs of each measured candidate (default: 3)",
     )  # fmt: skip
     p.add_argument(
@@ -108,6 +109,30 @@ def _check_budget(args: argparse.Namespace) -> None:
             f"tune needs --budget in bytes (e.g. 2GiB) or 'auto', got {args.budget!r}: a "
             "fraction of the plain peak, or the least peak, differs for every micro-batch size"
         )
+
+
+#: gradckpt.tune's argument names in its errors, and the flags the command line knows them by.
+_FLAGS = (
+    ("global_batch=", "--global-batch "),
+    ("batch_sizes=", "--batch-sizes "),
+    ("global_batch", "--global-batch"),
+    ("batch_sizes", "--batch-sizes"),
+)
+
+
+def _candidate_sizes(args: argparse.Namespace) -> list[int]:
+    """The micro-batch sizes tune will try, its bounds checked (the errors name the flags)."""
+    from gradckpt.tuning.sizes import candidate_sizes
+
+    try:
+        sizes = candidate_sizes(args.global_batch, args.batch_sizes)
+    except ValueError as e:
+        text = str(e)
+        for name, flag in _FLAGS:
+            text = text.replace(name, flag)
+        raise CliError(text) from e
+    assert sizes is not None  # the global batch is required
+    return sizes
 
 
 def _budget_bytes(args: argparse.Namespace, target: Any, optimizer: Any, out: Out) -> int:
@@ -143,11 +168,7 @@ def run_tune(args: argparse.Namespace, out: Out) -> int:
             f"{args.target} has about 5 GB of float32 weights and tune runs real steps: "
             "tune it with --device cuda (gradckpt estimate/plan take --fake)"
         )
-    sizes = args.batch_sizes or [b for b in range(1, args.global_batch + 1)
-                                 if args.global_batch % b == 0]  # fmt: skip
-    bad = [b for b in sizes if args.global_batch % b]
-    if bad:
-        raise CliError(f"--batch-sizes {bad} do not divide --global-batch {args.global_batch}")
+    sizes = _candidate_sizes(args)
     with out.status(f"[1/3] building {args.target} ..."):
         target = resolve(args.target, device=args.device)
     if target.make_loss is None:

@@ -57,6 +57,9 @@ __all__ = [
 
 _MARK = "gradckpt#"
 
+#: Marks of :meth:`AllocatorTracker.note_level` (above any op index a profile marks).
+_LEVEL_MARKS = 1 << 50
+
 #: The CUDA caching allocator hands out blocks in multiples of this many bytes.
 CUDA_BLOCK_BYTES = 512
 
@@ -365,8 +368,12 @@ class AllocatorTracker:
         #: CUDA: the most the caching allocator had reserved from the device during the
         #: region, in all (not above entry): what an out-of-memory error sees. None on CPU.
         self.reserved_high_water_bytes: int | None = None
+        #: The allocator's level above entry at each :meth:`note_level`, read at exit
+        #: (None: the moment left no event to read it from).
+        self.levels: list[int | None] = []
         self._events: MemoryEvents | None = None
         self._entry = (0, 0)
+        self._noted = 0
 
     def __enter__(self) -> AllocatorTracker:
         if self.device.type == "cuda":
@@ -380,6 +387,25 @@ class AllocatorTracker:
             self._events = MemoryEvents(self.device).__enter__()
         return self
 
+    def note_level(self) -> None:
+        """Note the allocator's level now (above entry); ``levels`` has it after exit.
+
+        On CPU a span with one 1-element tensor marks the moment (the events hold the
+        running total); on CUDA the allocator's counter is read at once.
+
+        Example:
+            >>> with AllocatorTracker() as at:
+            ...     loss = loss_fn(); at.note_level(); loss.backward()
+            >>> at.levels[0]  # what the forward left allocated
+        """
+        if self._events is None:
+            self.levels.append(torch.cuda.memory_allocated(self.device) - self._entry[0])
+            return
+        handle = open_mark(_LEVEL_MARKS + self._noted)
+        torch.empty(1, device=self.device)
+        close_mark(handle)
+        self._noted += 1
+
     def __exit__(self, *exc: object) -> None:
         if self._events is None:
             torch.cuda.synchronize(self.device)
@@ -392,6 +418,9 @@ class AllocatorTracker:
         self._events.__exit__(*exc)
         self.peak_bytes = self._events.peak_bytes
         self.end_bytes = self._events.end_bytes
+        spans = self._events.spans() if self._noted else {}
+        levels = (spans.get(_LEVEL_MARKS + i) for i in range(self._noted))
+        self.levels = [span.before if span is not None else None for span in levels]
 
     def __repr__(self) -> str:
         return f"AllocatorTracker({self.device}, peak={self.peak_bytes} B, end={self.end_bytes} B)"

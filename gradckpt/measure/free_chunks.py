@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 
+from gradckpt.measure.beside import mall_info
+
 __all__ = ["MOST_HELD", "hold_free_chunks", "release"]
 
 #: At most this many chunks are held: each try asks ``mallinfo2``, which walks the
@@ -26,51 +28,38 @@ __all__ = ["MOST_HELD", "hold_free_chunks", "release"]
 MOST_HELD = 4096
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd",
-            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )
-    ]  # fmt: skip
-
-
-def _info(libc: ctypes.CDLL) -> _MallInfo2 | None:
-    try:
-        fn = libc.mallinfo2  # glibc 2.33+; the older mallinfo's int fields overflow
-    except AttributeError:
-        return None
-    fn.restype = _MallInfo2
-    return fn()
-
-
-def hold_free_chunks(libc: ctypes.CDLL, smallest: int) -> list[int]:
+def hold_free_chunks(libc: ctypes.CDLL, smallest: int, most_bytes: int | None = None) -> list[int]:
     """Allocate every free heap chunk of ``smallest`` bytes or more (call after a trim,
     with the mmap threshold at ``smallest``, before ``M_PERTURB``); returns the blocks.
 
     A request the heap cannot serve is mmapped (mapped, never written) and freed
-    at once; the request size halves until it is under ``smallest``.
+    at once; the request size halves until it is under ``smallest``. With
+    ``most_bytes``, at most that many bytes are held, the largest chunks first:
+    held blocks are trimmed (no resident page), but malloc counts them, and a
+    budget counted at malloc's level has to hold them (:func:`gradckpt.measure.outside.held_at_most`).
     """
-    info = _info(libc)
+    info = mall_info(libc)
     if info is None:
         return []
     malloc, free = libc.malloc, libc.free
     malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     free.argtypes = [ctypes.c_void_p]
     held: list[int] = []
-    size = info.fordblks
+    left = info.fordblks if most_bytes is None else max(0, most_bytes)
+    size = min(info.fordblks, left)
     while size >= smallest and len(held) < MOST_HELD:
         mapped = info.hblkhd
         block = malloc(size)
-        info = _info(libc)
+        info = mall_info(libc)
         assert info is not None
         if block and info.hblkhd == mapped:  # from the heap: hold it, try the size again
             held.append(block)
+            left -= size
+            size = min(size, left)
             continue
         if block:
             free(block)
-            info = _info(libc)
+            info = mall_info(libc)
             assert info is not None
         size //= 2
     return held

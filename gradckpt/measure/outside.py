@@ -17,7 +17,11 @@ malloc-level peak is read from the kernel's resident-set high-water mark:
   held for the pass (:mod:`gradckpt.measure.free_chunks`): glibc serves a large
   request from a free chunk that fits before it maps one, so without this a
   block could reuse resident pages unseen, and a trimmed chunk split for small
-  requests faults in pages malloc does not count;
+  requests faults in pages malloc does not count. Held chunks have no resident
+  page, but malloc counts them: after a few steps they can add up to the step's
+  own peak (47.6 MiB beside a 32.2 MiB ResNet step), so under
+  :func:`held_at_most` (what a byte budget leaves beside the profiled step) the
+  largest are held up to that many bytes, and the rest are left free;
 * before each op ``malloc_trim(0)`` returns free heap pages, so a block that
   reuses a free chunk faults its pages in again and is seen;
 * ``mallopt(M_PERTURB, ...)``: glibc fills each new block, so a buffer that
@@ -46,6 +50,7 @@ says why) and profiles keep the allocator-level workspace; the same with
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import os
@@ -59,8 +64,9 @@ from torch.utils._pytree import tree_flatten
 from gradckpt.measure.free_chunks import hold_free_chunks, release
 
 __all__ = [
-    "REPLAYS", "SWITCH", "RssProbe", "needs_replay", "noise_bytes", "replay_growth", "rss_probe",
-    "settled_noise_bytes", "switched_off", "unavailable",
+    "REPLAYS", "SWITCH", "RssProbe", "held_at_most", "needs_replay", "noise_bytes",
+    "replay_growth", "rss_probe", "settled_noise_bytes", "suspended", "switched_off",
+    "unavailable",
 ]  # fmt: skip
 
 #: The environment variable that turns the probe off (see :func:`switched_off`).
@@ -77,6 +83,30 @@ _M_PERTURB = -6
 _SMALL_MMAP = 64 << 10
 _GLIBC_MMAP_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
 _PERTURB_BYTE = 0x5A
+
+
+#: Bytes of free heap chunks a probed pass may hold (None: all of them).
+_MOST_HELD: contextvars.ContextVar[int | None] = contextvars.ContextVar("most_held", default=None)
+
+
+@contextlib.contextmanager
+def held_at_most(nbytes: int | None) -> Iterator[None]:
+    """Probed passes inside hold at most ``nbytes`` of free heap chunks (None: no bound).
+
+    The caller knows the budget and the step's predicted peak; the probe knows
+    neither. A bound leaves some free chunks reusable, so a block may reuse a
+    resident page unseen on a run without a trim: the price of not holding more
+    than the budget has room for.
+
+    Example:
+        >>> with held_at_most(4 << 20):
+        ...     prof = gradckpt.profile(model, loss_fn)
+    """
+    token = _MOST_HELD.set(None if nbytes is None else max(0, int(nbytes)))
+    try:
+        yield
+    finally:
+        _MOST_HELD.reset(token)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -105,6 +135,26 @@ def switched_off() -> bool:
     return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
 
 
+_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_suspended", default=False)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No probe for the profiles made inside: for callers that take only op times from
+    them (``gradckpt.tune``'s real sizes), whose memory the probe's held chunks and
+    replays would only add to.
+
+    Example:
+        >>> with suspended():
+        ...     times = gradckpt.profile(model, loss_fn).step_time
+    """
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
+
+
 def unavailable() -> str:
     """Why the probe does not run in this process ("" when it does).
 
@@ -114,6 +164,8 @@ def unavailable() -> str:
     """
     if switched_off():
         return f"switched off ({SWITCH}={os.environ[SWITCH]})"
+    if _SUSPENDED.get():
+        return "suspended by the caller (only op times are wanted)"
     if not sys.platform.startswith("linux"):
         return "not Linux"
     if _libc() is None:
@@ -273,7 +325,7 @@ def rss_probe() -> Iterator[RssProbe | None]:
     libc.mallopt(_M_MMAP_THRESHOLD, _SMALL_MMAP)
     libc.mallopt(_M_TRIM_THRESHOLD, 2 * _SMALL_MMAP)
     libc.malloc_trim(0)
-    held = hold_free_chunks(libc, _SMALL_MMAP)  # before perturb: their pages stay out
+    held = hold_free_chunks(libc, _SMALL_MMAP, _MOST_HELD.get())  # before perturb: no page in
     libc.mallopt(_M_PERTURB, _PERTURB_BYTE)
     try:
         yield RssProbe(libc, status, clear)

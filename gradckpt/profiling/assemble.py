@@ -100,6 +100,7 @@ def assemble(
         input_shapes=shapes,
         engine_costs=engine_costs(device_of(model)),  # measured once per process
         grad_storages=main.grad_storages,
+        beside_bytes=main.beside_bytes,
     )
 
 

@@ -8,16 +8,21 @@ unit's forward wrapped to note its calls, autograd's saved-tensor hooks, and
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 
+from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading, graph_nodes, malloc_in_use
 from gradckpt.measure.timing import low_estimate, work_clock
 from gradckpt.profiling.accumulation import InPlaceCheck, node_boundaries
 from gradckpt.profiling.recorder import RecordMode, StepRecorder
 from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
+from gradckpt.profiling.replay import spec_sink
 from gradckpt.profiling.state import StepState
 from gradckpt.profiling.units import Unit
 from gradckpt.profiling.workspace import allocator_events, malloc_probe, op_workspaces, step_peak
@@ -91,9 +96,14 @@ def run_pass(
         malloc_probe(allocator if events is not None else None) as probe,
         _unit_markers(units, recorder),
         hooks,
-        RecordMode(recorder, device, mark_ops=events is not None, probe=probe),
+        RecordMode(recorder, device, mark_ops=events is not None, probe=probe,
+                   specs=spec_sink() if plain else None),  # fmt: skip
     ):
         recorder.active = True
+        before = None
+        if plain and detect_fake_mode() is not None:  # what it holds beside is read here
+            gc.collect()  # garbage freed during the pass would hide what the step takes
+            before = malloc_in_use()
         try:
             loss = loss_fn()
         except RuntimeError as e:
@@ -109,6 +119,10 @@ def run_pass(
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
         state.adopt_graph(loss)  # leaves outside the model: their gradients are put back too
+        if before is not None:  # fake: no tensor allocated, what malloc took is all beside
+            recorder.beside_bytes = _beside(before)
+            for node in graph_nodes(loss.grad_fn):  # and as backward runs (its own objects)
+                node.register_prehook(lambda _, r=recorder, b=before: _most_beside(r, b))
         recorder.forward = False
         if plain:
             # Gradients accumulate as in the plain step (in place where it can).
@@ -128,17 +142,53 @@ def run_pass(
     return recorder
 
 
+def _beside(before: int | None) -> int:
+    """What malloc holds now beyond ``before``: under fake tensors, autograd's graph and
+    Python objects (:mod:`gradckpt.measure.beside`), the recorder's records too; 0 unread."""
+    now = malloc_in_use() if before is not None else None
+    if before is None or now is None:
+        return 0
+    return max(0, now - before)
+
+
+def _most_beside(recorder: StepRecorder, before: int) -> None:
+    recorder.beside_bytes = max(recorder.beside_bytes, _beside(before))
+
+
 def time_plain_step(
-    loss_fn: Callable[[], torch.Tensor], guard: StepState, repeats: int, device: str = "cpu"
+    loss_fn: Callable[[], torch.Tensor],
+    guard: StepState,
+    repeats: int,
+    device: str = "cpu",
+    recorded: StepRecorder | None = None,
 ) -> float:
-    """The least time of ``repeats`` unrecorded steps on the op times' clock, in seconds."""
+    """The least time of ``repeats`` unrecorded steps on the op times' clock, in seconds.
+
+    With ``recorded`` (the allocator-measured plain pass, on the CPU) the last step
+    also reads what malloc held beside the step's tensors at the forward's end,
+    under the allocator's events (:class:`~gradckpt.measure.beside.BesideReading`: a
+    recorded pass would count the recorder's own records): ``recorded.beside_bytes``
+    is set, and that step is timed only when it is the one step.
+    """
     clock = work_clock(device)  # the clock the op times are on: overheads are their ratio
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        read = recorded is not None and i == repeats - 1 and device == "cpu"
         guard.reset()
         start = clock()
-        loss_fn().backward()
+        if read:
+            assert recorded is not None
+            with AllocatorTracker(torch.device("cpu")) as tracker:
+                beside = BesideReading(tracker)
+                loss = loss_fn()
+                beside.forward_done(loss)
+                loss.backward()
+                del loss
+            recorded.beside_bytes = beside.bytes()
+        else:
+            loss_fn().backward()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        times.append(clock() - start)
+        if not read or repeats == 1:
+            times.append(clock() - start)
     return low_estimate(times)

@@ -28,6 +28,7 @@ from gradckpt.measure.timing import work_clock
 from gradckpt.profiling.accumulation import InPlaceCheck
 from gradckpt.profiling.opaque import check_output_seen
 from gradckpt.profiling.records import NEVER
+from gradckpt.profiling.replay import SpecSink, op_spec
 from gradckpt.profiling.units import Unit
 
 __all__ = ["RecordedOp", "StepRecorder", "UnitCall"]
@@ -145,6 +146,8 @@ class StepRecorder:
     settled_growth: dict[int, int] = field(default_factory=dict)
     #: Storages that are the parameters' ``.grad`` after backward (ids, ascending).
     grad_storages: tuple[int, ...] = ()
+    #: Bytes malloc held beside the step's tensors at the forward's end (0: not read).
+    beside_bytes: int = 0
     #: True between a backward node's post-hook and the next one's pre-hook, where
     #: the engine accumulates gradients (``gradckpt.profiling.accumulation``).
     between: bool = False
@@ -321,6 +324,8 @@ class RecordMode(TorchDispatchMode):
     :class:`~gradckpt.measure.MemoryEvents` tells its workspace; the span opens
     outside the timed call. With ``probe`` each op's peak resident growth is read
     too (malloc-level memory the allocator's events miss), also outside the timing.
+    With ``specs`` each op's arguments are kept as specs (a fake pass's, to run
+    the ops for real afterwards: :mod:`gradckpt.profiling.replay`).
     """
 
     def __init__(
@@ -330,12 +335,16 @@ class RecordMode(TorchDispatchMode):
         *,
         mark_ops: bool = False,
         probe: RssProbe | None = None,
+        specs: SpecSink | None = None,
     ) -> None:
         super().__init__()
         self.recorder = recorder
         self.clock = work_clock(device)  # CPU: thread CPU time, robust to a shared machine
         self.mark_ops = mark_ops
         self.probe = probe
+        # A fake pass's ops as specs, by op index, to run for real afterwards.
+        self.sink = specs
+        self.specs = specs.new_pass() if specs is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -361,6 +370,9 @@ class RecordMode(TorchDispatchMode):
                 index, func, args, kwargs, out, grown
             )
         self.recorder.record_op(func, args, kwargs, out, elapsed)
+        if self.specs is not None:
+            assert self.sink is not None
+            self.specs.append(op_spec(func, args, kwargs, self.sink.names))
         return out
 
     def _worst_growth(

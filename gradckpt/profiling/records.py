@@ -202,6 +202,11 @@ class Profile:
     #: op it assumed, the least any op costs there (0: none assumed; see
     #: :func:`gradckpt.profiling.fake.with_estimated_times`).
     host_op_seconds: float = 0.0
+    #: CPU with glibc: bytes the step held from malloc beside its tensors at the end of
+    #: the forward (autograd's graph, Python objects: :mod:`gradckpt.measure.beside`), as
+    #: the recorded plain pass read them; a budget counted at malloc's level holds them
+    #: too, so ``fit`` plans the tensors for the budget less this. 0: not read.
+    beside_bytes: int = 0
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -262,6 +267,7 @@ class Profile:
             blocks_note=data.get("blocks_note", ""),
             block_parents=tuple(data.get("block_parents", ())),
             host_op_seconds=data.get("host_op_seconds", 0.0),
+            beside_bytes=data.get("beside_bytes", 0),
             version=data["version"],
         )
 

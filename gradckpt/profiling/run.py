@@ -192,7 +192,10 @@ def _profile_prepared(
         # Timed without the watch: a global hook on every module call counts in the step
         # (an empty one: 4% of a short-op GPT's), and the passes above met every module.
         with capturing_call(units) as call:  # one block's arguments, to time it alone
-            step_time = time_plain_step(loss_fn, guard, max(1, repeats), where)
+            step_time = time_plain_step(
+                loss_fn, guard, max(1, repeats), where,
+                passes[0] if passes[0].allocator_peak is not None else None,
+            )  # fmt: skip
     finally:
         guard.restore()
     real = with_unit_times(assemble(model, units, forward_only, passes, step_time), call)

@@ -24,10 +24,11 @@ from __future__ import annotations
 # for tests and examples that build or subclass them directly.
 from gradckpt.testing.atrous import ASPP, AtrousNet, DilatedBlock, atrous
 from gradckpt.testing.convnets import BNConvNet, ConvBNReLU, bn_convnet
+from gradckpt.testing.convnexts import ConvNeXt, convnext
 from gradckpt.testing.example import Example
 from gradckpt.testing.gpts import GPT, CausalSelfAttention, FeedForward, GPTBlock, gpt
 from gradckpt.testing.mlps import MLP, ResidualMLPBlock, dropout_mlp, mlp
-from gradckpt.testing.resnets import BasicBlock, ResNet, resnet, resnet_conv
+from gradckpt.testing.resnets import BasicBlock, ResNet, resnet, resnet_conv, resnet_imagenet
 from gradckpt.testing.unets import DownBlock, UNet, UpBlock, unet
 from gradckpt.testing.wild import WILD, wild
 from gradckpt.testing.zoo import ZOO, make
@@ -43,6 +44,7 @@ __all__ = [
     "BasicBlock",
     "CausalSelfAttention",
     "ConvBNReLU",
+    "ConvNeXt",
     "DilatedBlock",
     "DownBlock",
     "Example",
@@ -54,12 +56,14 @@ __all__ = [
     "UpBlock",
     "atrous",
     "bn_convnet",
+    "convnext",
     "dropout_mlp",
     "gpt",
     "make",
     "mlp",
     "resnet",
     "resnet_conv",
+    "resnet_imagenet",
     "unet",
     "wild",
 ]

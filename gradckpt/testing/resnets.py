@@ -41,14 +41,27 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
     def __init__(
-        self, stages: tuple[int, ...], channels: tuple[int, ...], classes: int, inplace: bool
+        self,
+        stages: tuple[int, ...],
+        channels: tuple[int, ...],
+        classes: int,
+        inplace: bool,
+        imagenet_stem: bool = False,
     ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, channels[0], 3, 1, 1, bias=False),
-            nn.BatchNorm2d(channels[0]),
-            nn.ReLU(inplace=inplace),
-        )
+        if imagenet_stem:  # torchvision's: 7x7 stride-2 conv, then 3x3 stride-2 max-pool (/4)
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, channels[0], 7, 2, 3, bias=False),
+                nn.BatchNorm2d(channels[0]),
+                nn.ReLU(inplace=inplace),
+                nn.MaxPool2d(3, 2, 1),
+            )
+        else:
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, channels[0], 3, 1, 1, bias=False),
+                nn.BatchNorm2d(channels[0]),
+                nn.ReLU(inplace=inplace),
+            )
         # Stages are attributes layer1, layer2, ... (torchvision layout), not a container,
         # so discovery finds BasicBlocks (repeated children of each stage), not stages.
         self.stage_names = [f"layer{i + 1}" for i in range(len(stages))]
@@ -125,3 +138,32 @@ def resnet_conv(
         seed=seed, dtype=dtype, device=device,
     )  # fmt: skip
     return dataclasses.replace(ex, name="resnet_conv")
+
+
+def resnet_imagenet(
+    *,
+    stages: tuple[int, ...] = (2, 2, 2, 2),
+    channels: tuple[int, ...] = (64, 128, 256, 512),
+    image: int = 224,
+    batch: int = 4,
+    classes: int = 1000,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: Device = "cpu",
+) -> Example:
+    """ResNet-18's shape at 224x224 (torchvision's stem, four stages of two basic blocks).
+
+    torchvision is not a dependency, so the shape is built here: 11.7 M parameters, the
+    stem's 7x7 convolution and max-pool at full resolution. Not in ``ZOO`` (a step takes
+    seconds on a CPU); benchmarks and the slower tests build it by name from here.
+
+    >>> resnet_imagenet(batch=1).block_paths[:2]
+    ['layer1.0', 'layer1.1']
+    """
+    ex = build_example(
+        "resnet", seed, dtype, device,
+        lambda: ResNet(tuple(stages), tuple(channels), classes, False, imagenet_stem=True),
+        lambda g: labelled_inputs(g, (batch, 3, image, image), classes),
+        classification_loss, [f"layer{i + 1}.{j}" for i, n in enumerate(stages) for j in range(n)],
+    )  # fmt: skip
+    return dataclasses.replace(ex, name="resnet_imagenet")

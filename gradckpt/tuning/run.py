@@ -27,6 +27,7 @@ from torch import nn
 
 from gradckpt.apply.apply import apply, remove
 from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading, malloc_in_use
 from gradckpt.measure.memory import state_bytes
 from gradckpt.measure.optimizer import fresh_optimizer
 from gradckpt.measure.timing import work_clock
@@ -80,15 +81,19 @@ def optimizer_seconds(
 
 
 class _Runs:
-    def __init__(self, model: nn.Module, make_loss: MakeLoss, state_bytes_: int) -> None:
+    def __init__(
+        self, model: nn.Module, make_loss: MakeLoss, state_bytes_: int, since: int | None
+    ) -> None:
         self.model, self.make_loss = model, make_loss
+        self.since = since  # malloc's bytes in use when tuning began
         self.guard = StepState(model)
         self.device = _device(model)
         self.clock = work_clock(self.device.type)
         self.state = state_bytes_  # optimizer state: resident in a real step, not made here
 
-    def run(self, c: TuneCandidate, measure: bool) -> tuple[float, int | None]:
-        """(median seconds of a micro-batch, whole-step fwd/bwd peak or None)."""
+    def run(self, c: TuneCandidate, measure: bool) -> tuple[float, int | None, int]:
+        """(seconds of a micro-batch, whole-step fwd/bwd peak at the allocator or None,
+        the most held beside the allocator's blocks since tuning began: 0 unmeasured)."""
         loss_fn = self.make_loss(c.micro_batch)
         assert c.plan is not None
         apply(self.model, c.plan)
@@ -98,11 +103,16 @@ class _Runs:
             times = []
             if tracker is not None:
                 tracker.__enter__()
+                # A step at a size no training runs can make a library keep a one-time
+                # buffer (MKL's, ~10 MiB): what it keeps is not taken for its own.
+                beside = BesideReading(tracker, since=self.since, less_kept=True)
             try:
                 for _ in range(2 if c.accumulation_steps > 1 else 1):
                     start = self.clock()
                     loss = loss_fn()
                     self.guard.adopt_graph(loss)
+                    if tracker is not None:
+                        beside.forward_done(loss)  # the first micro-batch's graph
                     loss.backward()
                     del loss
                     _sync(self.device)
@@ -112,12 +122,12 @@ class _Runs:
                     tracker.__exit__(None, None, None)
         finally:
             remove(self.model)
-        peak = None
-        if tracker is not None:
-            peak = state_bytes(self.model) + self.state + tracker.peak_bytes
-            # On CUDA an out-of-memory error sees what the caching allocator reserved.
-            peak = max(peak, (tracker.reserved_high_water_bytes or 0) + self.state)
-        return times[-1], peak
+        if tracker is None:
+            return times[-1], None, 0
+        peak = state_bytes(self.model) + self.state + tracker.peak_bytes
+        # On CUDA an out-of-memory error sees what the caching allocator reserved.
+        peak = max(peak, (tracker.reserved_high_water_bytes or 0) + self.state)
+        return times[-1], peak, beside.bytes()
 
 
 def run_candidates(
@@ -129,11 +139,20 @@ def run_candidates(
     optimizer_step_seconds: float,
     global_batch: Callable[[int], int],
     rounds: int = 3,
+    since: int | None = None,
 ) -> list[TuneCandidate]:
-    """``chosen`` with measured samples/s and peaks (or why not run), in the same order."""
-    runs = _Runs(model, make_loss, optimizer_state_bytes)
+    """``chosen`` with measured samples/s and peaks (or why not run), in the same order.
+
+    Each candidate's measured step counts what it holds beside the allocator's blocks
+    (autograd's graph, the tracker's records: :class:`~gradckpt.measure.beside.BesideReading`);
+    with ``since`` (malloc's bytes in use at an earlier moment) what the caller holds
+    from then on counts too.
+    """
+    runs = _Runs(model, make_loss, optimizer_state_bytes, since)
     order = sorted(range(len(chosen)), key=lambda i: chosen[i].predicted_peak_bytes or 0)
     missed = 0  # bytes the allocator held beyond a prediction, so far
+    now = malloc_in_use() if since is not None else None
+    beside = max(0, now - since) if now is not None and since is not None else 0
     seconds: dict[int, list[float]] = {i: [] for i in order}
     peaks: dict[int, int] = {}
     verdicts: dict[int, str] = {}
@@ -144,15 +163,16 @@ def run_candidates(
                     c = chosen[i]
                     if i in verdicts:
                         continue
-                    if (c.predicted_peak_bytes or 0) + missed > budget:
+                    if (c.predicted_peak_bytes or 0) + missed + beside > budget:
                         verdicts[i] = "not run (predicted over the budget after measuring others)"
                         continue
-                    t, peak = runs.run(c, measure=r == 0)
+                    t, peak, held = runs.run(c, measure=r == 0)
                     if peak is not None:
                         peaks[i] = peak
                         missed = max(missed, peak - (c.predicted_peak_bytes or 0))
-                        if peak > budget:
-                            verdicts[i] = f"over budget (measured {peak} B)"
+                        beside = max(beside, held)
+                        if peak + held > budget:
+                            verdicts[i] = f"over budget (measured {peak + held} B with malloc's)"
                             continue
                     seconds[i].append(t)
     finally:

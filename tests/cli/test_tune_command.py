@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -61,10 +62,17 @@ def test_json(tmp_path):
         (["--global-batch", "8", "--batch-sizes", "3,4"], ["[3] do not divide", "8"]),
         (["--global-batch", "8", "--budget", "0.5"], ["bytes", "fraction"]),
         (["--budget", BUDGET], ["--global-batch"]),  # required
+        # Bounded inputs (#40): each refused at once, before anything is built or profiled.
+        (["--global-batch", str(10**12)], ["--global-batch", "1048576", str(10**12)]),
+        (["--global-batch", "1000003"], ["--global-batch 1000003", "1000002", "1000004"]),
+        (["--global-batch", "8", "--batch-sizes", "8192"], ["--batch-sizes", "4096", "8192"]),
+        (["--global-batch", "8", "--rounds", "0"], ["--rounds", "real runs", "'0'"]),
+        (["--global-batch", "8", "--plot", "a" * 300 + ".png"], ["--plot", "cannot be written"]),
     ],
 )
 def test_bad_arguments_are_one_line_errors(flags, fragments, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gradckpt.cli.tune.resolve", lambda *a, **k: pytest.fail("built"))
     budget = [] if "--budget" in flags else ["--budget", BUDGET]
     assert main(["tune", "tiny-gpt", *budget, *flags]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -72,6 +80,17 @@ def test_bad_arguments_are_one_line_errors(flags, fragments, capsys, tmp_path, m
     for fragment in fragments:
         assert fragment in err[0]
     assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_plot_in_proc_is_refused_before_profiling(capsys, monkeypatch):
+    # os.access says a root process may write in /proc; writing there fails. Before #40
+    # the PNG failed after the whole tuning run, with exit 1.
+    monkeypatch.setattr("gradckpt.cli.tune.resolve", lambda *a, **k: pytest.fail("built"))
+    assert main(["tune", "tiny-gpt", "--budget", BUDGET, "--global-batch", "4",
+                 "--plot", "/proc/gradckpt-tune.png"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--plot '/proc/gradckpt-tune.png' cannot be written" in err[0]
 
 
 def test_a_target_without_make_loss_and_a_budget_nothing_fits(tmp_path):

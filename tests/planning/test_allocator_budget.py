@@ -30,7 +30,14 @@ def test_fit_holds_every_budget_at_the_allocator_on_a_conv_model():
     held = 0
     for share in (0.0, 0.25, 0.5, 0.75):
         budget = least + round(share * (plain - least))
-        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+        try:
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+        except gradckpt.BudgetError as e:
+            # At the least peak: a byte budget also holds what the step and planning take
+            # from malloc beside the tensors (#40); the refusal names the budget with it.
+            assert share == 0.0, (share, str(e))
+            budget = e.least_peak_bytes
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
         try:
             allocator, tracker = _allocator_peak(ex)
         finally:

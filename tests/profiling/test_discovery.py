@@ -58,7 +58,13 @@ def test_regnet_least_peak_is_at_or_below_per_block_checkpointing_at_the_allocat
     prof = profile(ex.model, ex.loss_fn, repeats=1)
     assert [u.path for u in prof.blocks] == ex.block_paths and prof.blocks_note == ""
     least = gradckpt.frontier(ex.model, ex.loss_fn, profile=prof)[0].peak_bytes
-    plan = gradckpt.fit(ex.model, ex.loss_fn, least, profile=prof)
+    try:
+        plan = gradckpt.fit(ex.model, ex.loss_fn, least, profile=prof)
+    except gradckpt.BudgetError as e:
+        # A byte budget also holds what the step and planning take from malloc beside the
+        # tensors (#40); the refusal names the budget with it, and its tensors' share is
+        # the least peak again.
+        plan = gradckpt.fit(ex.model, ex.loss_fn, e.least_peak_bytes, profile=prof)
     try:
         planned, grads = _allocator_step(ex)
     finally:

@@ -81,6 +81,38 @@ def test_bad_arguments_are_refused_before_anything_runs():
         tune(model, make_loss, "1GiB", global_batch=0)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"global_batch": 10**12}, ["global_batch", "1048576"]),  # ran without end before #40
+        ({"global_batch": 1_000_003}, ["1000003", "no divisor", "1000002", "1000004"]),
+        ({"global_batch": 8.0}, ["global_batch", "whole number"]),
+        ({"global_batch": 8, "batch_sizes": [8192]}, ["batch_sizes", "4096"]),
+        ({"global_batch": 8, "top": 0}, ["top", ">= 1", "0"]),
+        ({"global_batch": 8, "rounds": 0}, ["rounds", ">= 1", "0"]),
+        ({"global_batch": 8, "rounds": 1.5}, ["rounds", "whole number"]),
+    ],
+)
+def test_out_of_bounds_inputs_are_one_line_errors_before_any_work(kwargs, fragments):
+    model, _ = _gpt(4)
+
+    def make_loss(b: int):
+        raise AssertionError("tune made a loss: it started working")
+
+    with pytest.raises(ValueError) as caught:
+        tune(model, make_loss, "1GiB", **kwargs)
+    text = str(caught.value)
+    assert "\n" not in text and all(f in text for f in fragments), text
+
+
+def test_a_prime_global_batch_with_a_micro_batch_besides_one_is_tuned_as_before():
+    from gradckpt.tuning.sizes import candidate_sizes
+
+    assert candidate_sizes(13, None) == [1, 13]  # one sample at a time, or all at once
+    assert candidate_sizes(4099 * 2, None) == [1, 2]  # divisors above 4096 are not tried
+    assert candidate_sizes(1_000_003, [1]) == [1]  # asked for by name
+
+
 def test_sliced_loss_takes_and_repeats_rows():
     seen = []
 

@@ -173,6 +173,19 @@ def _where(profile: Profile, position: int) -> str:
     return f"the {phase} of {unit}"
 
 
+def _workspace_note(profile: Profile, pred: Prediction) -> str:
+    """Which kernel's workspace is part of the least peak, for a message ("" if none):
+    no plan lowers it, short of a smaller batch or another kernel."""
+    if pred.peak_workspace_bytes <= 0 or not 0 <= pred.peak_workspace_op < len(profile.ops):
+        return ""
+    op = profile.ops[pred.peak_workspace_op]
+    unit = profile.units[op.unit].path if op.unit >= 0 else "code outside the planned units"
+    return (
+        f", {format_bytes(pred.peak_workspace_bytes)} of it the workspace of {op.name} "
+        f"({'backward' if op.backward else 'forward'} of {unit})"
+    )
+
+
 def least_peak_plan(
     profile: Profile,
     model: ChainModel | None = None,
@@ -287,8 +300,8 @@ def solve_dp(profile: Profile, budget: int, *, model: ChainModel | None = None,
         f"for this step is {_written(pred.peak_bytes)}, of which parameters and buffers "
         f"are {format_bytes(profile.param_bytes)}{_resident(profile)} and the rest "
         f"(activations, gradients and temporaries) peaks during "
-        f"{_where(profile, pred.peak_position)}. Raise the budget, or shrink the batch or "
-        "sequence length."
+        f"{_where(profile, pred.peak_position)}{_workspace_note(profile, pred)}. Raise the "
+        "budget, or shrink the batch or sequence length."
         + (f" {profile.blocks_note}" if profile.blocks_note else "")
         + _parents_hint(profile, pred.peak_position),
         least_peak_bytes=pred.peak_bytes,
