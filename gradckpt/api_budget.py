@@ -264,12 +264,13 @@ def plan_beside(
         now = malloc_in_use() if since is not None else None
         beside = planner.profile.beside_bytes + (max(0, now - since) if now is not None else 0)
     try:
-        return planner.plan(budget_bytes - beside, solver)
+        # max(1, ...): a budget all beside its tensors is refused with the least that fits.
+        return planner.plan(max(1, budget_bytes - beside), solver)
     except BudgetError as exc:
         least = exc.least_peak_bytes
         if not beside or least is None:
             raise
-        planned = f"the budget of {format_bytes(budget_bytes - beside)}"
+        planned = f"the budget of {format_bytes(max(1, budget_bytes - beside))}"
         whole = (
             f"the budget of {format_bytes(budget_bytes)} (less {format_bytes(beside)} held "
             "from malloc beside the step's tensors: autograd's graph, Python objects, "

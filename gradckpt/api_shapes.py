@@ -33,7 +33,7 @@ from gradckpt.apply.real_shape import (
     unseen_share,
     verified_at_shape,
 )
-from gradckpt.measure.beside import malloc_in_use
+from gradckpt.measure.beside import malloc_in_use, warn_tensors_only
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.calls import as_called
 from gradckpt.planning.plans.offload_options import OffloadOptions
@@ -41,7 +41,7 @@ from gradckpt.planning.plans.plan import Plan, Segment
 from gradckpt.planning.plans.planset import ShapeKey
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.baselines import every_kth_plan, none_plan
-from gradckpt.planning.solving.budget import BudgetError
+from gradckpt.planning.solving.budget import BudgetError, read_budget
 from gradckpt.planning.solving.rescale import with_measured_workspace
 from gradckpt.planning.solving.solvers import Solver
 from gradckpt.planning.solving.whole_step import with_training_step
@@ -134,10 +134,21 @@ def plan_fitted(
     budget_bytes = planner.budget_bytes(budget)
     try:
         chosen = plan_beside(planner, budget, budget_bytes, options.solver, since, at_malloc)
-    except BudgetError as exc:  # just under the least predicted peak: the real step decides
-        with shape_guard.paused(model):
-            chosen = _leanest_if_it_fits(model, recording, planner, budget_bytes, exc)
-        raw_fake, measure_candidates = None, 0  # measured: nothing leaner to choose from
+    except BudgetError as beside_refused:
+        chosen, refused = None, beside_refused
+        reserved = at_malloc and read_budget(budget)[0] != "fraction"
+        if reserved:  # the tensors may fit where they and what is beside them do not
+            try:
+                chosen = planner.plan(budget_bytes, options.solver)
+            except BudgetError as exc:
+                refused = exc
+        if chosen is None:  # just under the least predicted peak: the real step decides
+            with shape_guard.paused(model):
+                chosen = _leanest_if_it_fits(model, recording, planner, budget_bytes, refused)
+            raw_fake, measure_candidates = None, 0  # measured: nothing leaner to choose from
+        if reserved:
+            warn_tensors_only(budget_bytes, beside_refused.least_peak_bytes, stacklevel=4)
+        at_malloc, since = False, None  # the budget now holds the tensors only
     measured = measure_candidates and not prof.fake
     if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
         from gradckpt.apply.frugal import frugal_measured

@@ -37,6 +37,7 @@ from torch import nn
 from gradckpt.apply.apply import apply, remove
 from gradckpt.apply.measured_step import measured_step, model_device, timed_step
 from gradckpt.apply.select import candidate_plans, pick_fastest
+from gradckpt.measure.beside import warn_tensors_only
 from gradckpt.measure.memory import format_bytes
 from gradckpt.measure.timing import work_clock
 from gradckpt.planning.planner import Planner
@@ -143,6 +144,13 @@ def _checked(
     planner.release()  # its DP tables are CPU memory: not held while steps run
     _, seen = runner.run(leanest, measure=True)
     missed = Excess().most(seen or Excess())
+    tensors_only = missed._replace(beside=0)
+    with_beside = _held(planner, leanest, missed)
+    if with_beside > budget >= _held(planner, leanest, tensors_only):
+        # The budget holds the tensors at the allocator, as a GPU counts them, and no room
+        # for what malloc holds beside them: planned for the tensors, and said.
+        warn_tensors_only(budget, with_beside, stacklevel=5)
+        runner.at_malloc, missed = False, tensors_only
     if _held(planner, leanest, missed) > budget:
         least = _held(planner, leanest, missed)
         raise BudgetError(

@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
+
+from gradckpt.measure.memory import format_bytes
 
 if TYPE_CHECKING:
     from gradckpt.measure.allocator import AllocatorTracker
 
 __all__ = [
     "BesideReading", "MallInfo2", "graph_nodes", "mall_info", "malloc_in_use", "tracker_bytes",
+    "warn_tensors_only",
 ]  # fmt: skip
 
 
@@ -198,3 +202,27 @@ def _tracker_cost() -> tuple[int, float]:
         grown.append(after - before)
     per_event = max(0.0, (grown[1] - grown[0]) / (2 * 400))
     return max(0, grown[0]), per_event
+
+
+def warn_tensors_only(budget_bytes: int, holds_both: int | None, stacklevel: int = 3) -> None:
+    """Warn that a byte budget is held for the step's tensors only.
+
+    A budget at the edge of what any checkpointing reaches (torch's every-block peak,
+    measured at the allocator) leaves no room for what the step and planning take
+    from malloc beside the tensors on the CPU; on a GPU that memory is the host's and
+    the budget counts the tensors alone. Planning then holds the budget at the
+    allocator, as a GPU counts it, and says so (``holds_both``: the least budget that
+    holds the tensors and what is beside them, when known).
+
+    Example:
+        >>> warn_tensors_only(4 << 20, 5 << 20)  # UserWarning naming 5.00 MiB
+    """
+    both = f"; {format_bytes(holds_both, round_up=True)} holds both" if holds_both else ""
+    warnings.warn(
+        f"gradckpt: the budget of {format_bytes(budget_bytes)} holds the step's tensors at "
+        "the allocator, not with them what the step and planning take from malloc beside "
+        f"them on the CPU (autograd's graph, Python objects){both}. Planned for the tensors "
+        "alone, as a GPU's memory counts them; raise the budget to hold the process's "
+        "whole memory.",
+        stacklevel=stacklevel,
+    )

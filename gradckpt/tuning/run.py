@@ -140,19 +140,20 @@ def run_candidates(
     global_batch: Callable[[int], int],
     rounds: int = 3,
     since: int | None = None,
+    count_beside: bool = True,
 ) -> list[TuneCandidate]:
     """``chosen`` with measured samples/s and peaks (or why not run), in the same order.
 
     Each candidate's measured step counts what it holds beside the allocator's blocks
     (autograd's graph, the tracker's records: :class:`~gradckpt.measure.beside.BesideReading`);
     with ``since`` (malloc's bytes in use at an earlier moment) what the caller holds
-    from then on counts too.
+    from then on counts too. ``count_beside=False``: the tensors alone, at the allocator.
     """
     runs = _Runs(model, make_loss, optimizer_state_bytes, since)
     order = sorted(range(len(chosen)), key=lambda i: chosen[i].predicted_peak_bytes or 0)
     missed = 0  # bytes the allocator held beyond a prediction, so far
     now = malloc_in_use() if since is not None else None
-    beside = max(0, now - since) if now is not None and since is not None else 0
+    beside = max(0, now - since) if now is not None and since is not None and count_beside else 0
     seconds: dict[int, list[float]] = {i: [] for i in order}
     peaks: dict[int, int] = {}
     verdicts: dict[int, str] = {}
@@ -167,6 +168,7 @@ def run_candidates(
                         verdicts[i] = "not run (predicted over the budget after measuring others)"
                         continue
                     t, peak, held = runs.run(c, measure=r == 0)
+                    held = held if count_beside else 0
                     if peak is not None:
                         peaks[i] = peak
                         missed = max(missed, peak - (c.predicted_peak_bytes or 0))

@@ -41,6 +41,7 @@ from gradckpt.api_budget import (
     training_step,
 )
 from gradckpt.apply.select import pick_fastest
+from gradckpt.measure.beside import warn_tensors_only
 from gradckpt.measure.outside import suspended
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError, read_budget
@@ -146,6 +147,14 @@ def tune(
     state = step1.state_bytes
     measured = run_candidates(model, make_loss, picked, budget_bytes, state, opt_seconds, samples,
                               rounds)  # fmt: skip
+    if not any(m.measured_samples_per_s for m in measured) and any(
+        m.measured_peak_bytes is not None and m.measured_peak_bytes <= budget_bytes for m in measured
+    ):
+        # Over only with what malloc holds beside the tensors: a budget at the tensors'
+        # edge, held at the allocator as a GPU counts it, and said.
+        warn_tensors_only(budget_bytes, None, stacklevel=3)
+        measured = run_candidates(model, make_loss, picked, budget_bytes, state, opt_seconds,
+                                  samples, rounds, count_beside=False)  # fmt: skip
     for m in measured:
         rate = f"{m.measured_samples_per_s:.2f} samples/s" if m.measured_samples_per_s else m.verdict
         say(f"ran micro-batch {m.micro_batch} x {m.accumulation_steps} {m.strategy}: {rate}")
