@@ -149,6 +149,9 @@ def plan_fitted(
         if reserved:
             warn_tensors_only(budget_bytes, beside_refused.least_peak_bytes, stacklevel=4)
         at_malloc, since = False, None  # the budget now holds the tensors only
+        # A refusal's traceback holds planning's frames (its DP tables: CPU tensors) in a
+        # cycle with this one; not kept while the steps run.
+        refused = None
     measured = measure_candidates and not prof.fake
     if raw_fake is not None:  # checked on real steps under plans that fit, never the plain one
         from gradckpt.apply.frugal import frugal_measured

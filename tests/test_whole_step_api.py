@@ -40,9 +40,9 @@ def _example(name: str):
 
 
 def _or_the_budget_named(verb, budget: int):
-    """``verb(budget)``, or ``verb`` at the budget its refusal names: a byte budget also holds
-    what the step and planning take from malloc beside the tensors (#40), which on these
-    6-10 MiB steps is ~1 MiB (autograd's graph, the profiles); the budget named holds it.
+    """``verb(budget)``, or ``verb`` at the budget its refusal names. A byte budget also holds
+    what the step and planning take from malloc beside the tensors (#40), ~1 MiB on these
+    6-10 MiB steps; where only the tensors fit, ``fit`` plans for them and warns.
     Returns (the result, the budget it was made for)."""
     try:
         return verb(budget), budget
