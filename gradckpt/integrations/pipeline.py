@@ -17,16 +17,21 @@ with ``k`` micro-batches in flight, the stage's peak is the largest of three mom
     forward/backward   fwd_bwd_peak(plan) + (k - 1) * held(plan) + buffers + outputs
     optimizer step     optimizer_step_peak + buffers + outputs
     end of the step    parameters + gradients + optimizer state + buffers + 2 * outputs
+                       (only when the outputs are returned)
 
 ``held(plan)`` is what one micro-batch keeps from the end of its forward to its
 backward under the plan (the simulator's level there). ``buffers`` are the
 stage's communication buffers, made in the first step and kept: ``PipelineStage``
 allocates one receive buffer per micro-batch for its input (every stage but the
-first) and one for its output's gradient (every stage but the last), ``M`` of each.
-``outputs`` is what the last stage keeps of its outputs (``M`` micro-batches'
-logits) until the next step starts, when ``schedule.step`` returns them
-(``return_outputs=True``, torch's default); at the end of the step they are
-merged into one more tensor of that size, while the pieces are still alive.
+first) and one for its output's gradient (every stage but the last), ``M`` of each,
+and a stage that sends gradients back holds one input gradient being sent while
+it makes the next.
+``outputs`` is what the last stage holds of its outputs (the logits): the
+stage keeps each micro-batch's output until its backward (``k`` of them, which
+the profiled loss lets go once the loss is computed), and when ``schedule.step``
+returns them (``return_outputs=True``, torch's default) all ``M`` until the next
+step starts; at the end of such a step they are merged into one more tensor of
+that size while the pieces are still alive.
 
 The plan chosen per stage is the fastest predicted
 one whose stage peak fits the budget, among the DP's Pareto plans and the DP's
@@ -75,7 +80,15 @@ from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling.records import Profile
 from gradckpt.profiling.run import profile as profile_step
 
-__all__ = ["StageCost", "StageParts", "fit_stage", "plan_stage", "plan_stages", "stage_cost", "stage_loss_fn"]
+__all__ = [
+    "StageCost",
+    "StageParts",
+    "fit_stage",
+    "plan_stage",
+    "plan_stages",
+    "stage_cost",
+    "stage_loss_fn",
+]
 
 LossFn = Callable[[], torch.Tensor]
 #: Uniform settings compared with the per-stage plans: the same on every stage, as
@@ -161,7 +174,8 @@ class StageParts:
     """What a stage holds besides its module's step (see the module docstring)."""
 
     buffer_bytes: int = 0  # receive buffers, M per direction, kept from the first step
-    output_bytes: int = 0  # the last stage's outputs of all M micro-batches (0: not kept)
+    output_bytes: int = 0  # the last stage's outputs it holds (in flight, or all M kept)
+    merged_bytes: int = 0  # the outputs merged at the end of the step (0: not returned)
 
 
 def stage_cost(profile: Profile, plan: Plan, in_flight: int, parts: StageParts) -> StageCost:
@@ -174,11 +188,11 @@ def stage_cost(profile: Profile, plan: Plan, in_flight: int, parts: StageParts) 
     held = _held(profile, plan)
     fwd_bwd = pred.fwd_bwd_peak_bytes or pred.peak_bytes
     extra = parts.buffer_bytes + parts.output_bytes
-    step_end = profile.param_bytes + profile.resident_bytes + extra + parts.output_bytes
+    step_end = profile.param_bytes + profile.resident_bytes + extra + parts.merged_bytes
     peak = max(
         fwd_bwd + (in_flight - 1) * held + extra,
         profile.floor_bytes + extra if profile.floor_bytes else 0,
-        step_end if parts.output_bytes else 0,
+        step_end if parts.merged_bytes else 0,
     )
     return StageCost(peak, held, pred.step_time)
 
@@ -315,8 +329,10 @@ def plan_stage(
     out_bytes = _output_bytes(module, inputs)
     received = _tensor_bytes(inputs) if stage_index > 0 else 0
     parts = StageParts(
-        buffer_bytes=n_microbatches * (received + (0 if last else out_bytes)),
-        output_bytes=n_microbatches * out_bytes if last and return_outputs else 0,
+        # + one input gradient still being sent while the next is made (measured on gloo)
+        buffer_bytes=n_microbatches * (received + (0 if last else out_bytes)) + received,
+        output_bytes=(n_microbatches if return_outputs else k) * out_bytes if last else 0,
+        merged_bytes=n_microbatches * out_bytes if last and return_outputs else 0,
     )
     plan, cost = _choose(planner, nbytes, k, parts)
     if plan is None:
@@ -335,13 +351,16 @@ def plan_stage(
         n_microbatches=n_microbatches, in_flight=k, plan=plan, budget_bytes=nbytes,
         predicted_peak_bytes=cost.peak_bytes, held_bytes=cost.held_bytes,
         buffer_bytes=parts.buffer_bytes, output_bytes=parts.output_bytes,
+        merged_bytes=parts.merged_bytes,
         time_per_microbatch=cost.time_per_microbatch,
         plain_peak_bytes=plain.peak_bytes, plain_time_per_microbatch=plain.time_per_microbatch,
         uniform=_uniform(prof, k, parts), fake=prof.fake,
     )  # fmt: skip
 
 
-def fit_stage(module: nn.Module, inputs: Sequence[Any], budget: int | str, **options: Any) -> StagePlan:
+def fit_stage(
+    module: nn.Module, inputs: Sequence[Any], budget: int | str, **options: Any
+) -> StagePlan:
     """:func:`plan_stage` and :func:`gradckpt.apply` on ``module``; returns the stage plan.
 
     Example:
@@ -381,8 +400,16 @@ def plan_stages(
         raise ValueError("plan_stages needs at least one (module, inputs) stage")
     return [
         plan_stage(
-            module, inputs, budget, schedule=schedule, stage_index=i, num_stages=len(stages),
-            n_microbatches=n_microbatches, loss=loss, target=target, **options,
+            module,
+            inputs,
+            budget,
+            schedule=schedule,
+            stage_index=i,
+            num_stages=len(stages),
+            n_microbatches=n_microbatches,
+            loss=loss,
+            target=target,
+            **options,
         )
         for i, (module, inputs) in enumerate(stages)
     ]

@@ -52,7 +52,8 @@ class StagePlan:
     predicted_peak_bytes: int
     held_bytes: int  # one micro-batch's activations, forward end to backward, under the plan
     buffer_bytes: int  # receive buffers (M per direction), kept from the first step on
-    output_bytes: int  # the last stage's outputs of the step, kept until the next (0: none)
+    output_bytes: int  # the last stage's outputs it holds (in flight, or all M returned)
+    merged_bytes: int  # the returned outputs merged at the end of the step (0: not returned)
     time_per_microbatch: float  # forward + backward of one micro-batch, predicted
     plain_peak_bytes: int  # no checkpointing, same micro-batches in flight
     plain_time_per_microbatch: float
