@@ -143,8 +143,13 @@ def _output_bytes(module: nn.Module, inputs: Sequence[Any]) -> int:
     """Bytes of the stage's output for one micro-batch, from a forward on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-        out = module(*inputs)
+    if any(p.device.type == "meta" for p in module.parameters()):  # built without memory
+        meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
+        with torch.no_grad():
+            out = module(*meta)
+    else:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            out = module(*inputs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return _tensor_bytes(outs)
 

@@ -107,7 +107,7 @@ def gather_stage_plans(stage_plan: StagePlan, group: Any = None) -> list[StagePl
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:,.0f} s"
 
 
 def summary(plans: Sequence[StagePlan]) -> str:
@@ -122,7 +122,7 @@ def summary(plans: Sequence[StagePlan]) -> str:
     lines = [
         f"pipeline: {first.num_stages} stages, {first.schedule}, {first.n_microbatches} "
         f"micro-batches, budget {format_bytes(first.budget_bytes)} per rank"
-        + (" (fake tensors)" if first.fake else ""),
+        + (" (fake tensors: times estimated for this machine's CPU)" if first.fake else ""),
         f"{'stage':>5}  {'in flight':>9}  {'plan':<34} {'peak':>11} {'plain peak':>11} "
         f"{'time/mb':>10} {'plain':>10}",
     ]
