@@ -55,7 +55,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,12 +63,18 @@ from torch import nn
 
 from gradckpt.api_budget import training_step
 from gradckpt.apply.apply import apply
-from gradckpt.integrations.pipeline_report import StagePlan, UniformPoint
+from gradckpt.integrations.pipeline_cost import StageCost, StageParts, stage_cost
+from gradckpt.integrations.pipeline_report import (
+    StagePlan,
+    UniformPoint,
+    compare,
+    gather_stage_plans,
+    summary,
+)
 from gradckpt.integrations.pipeline_schedules import in_flight, schedule_name, schedule_shape
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.simulation.simulate import live_trace, simulate
 from gradckpt.planning.solving.baselines import (
     every_kth_plan,
     finish,
@@ -83,11 +89,16 @@ from gradckpt.profiling.run import profile as profile_step
 __all__ = [
     "StageCost",
     "StageParts",
+    "StagePlan",
+    "compare",
     "fit_stage",
+    "gather_stage_plans",
+    "in_flight",
     "plan_stage",
     "plan_stages",
     "stage_cost",
     "stage_loss_fn",
+    "summary",
 ]
 
 LossFn = Callable[[], torch.Tensor]
@@ -152,54 +163,6 @@ def _output_bytes(module: nn.Module, inputs: Sequence[Any]) -> int:
             out = module(*inputs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return _tensor_bytes(outs)
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """A plan's cost on a stage with ``in_flight`` micro-batches (see the module docstring)."""
-
-    peak_bytes: int
-    held_bytes: int  # one micro-batch's activations, forward end to backward
-    time_per_microbatch: float  # forward and backward of one micro-batch, seconds
-
-
-def _held(profile: Profile, plan: Plan) -> int:
-    end = profile.ops[profile.forward_ops - 1].position if profile.forward_ops else 0
-    positions, lives, _ = live_trace(profile, plan)
-    held = 0
-    for pos, live in zip(positions, lives):
-        if pos > end:
-            break
-        held = live
-    return max(held, 0)
-
-
-@dataclass(frozen=True)
-class StageParts:
-    """What a stage holds besides its module's step (see the module docstring)."""
-
-    buffer_bytes: int = 0  # receive buffers, M per direction, kept from the first step
-    output_bytes: int = 0  # the last stage's outputs it holds (in flight, or all M kept)
-    merged_bytes: int = 0  # the outputs merged at the end of the step (0: not returned)
-
-
-def stage_cost(profile: Profile, plan: Plan, in_flight: int, parts: StageParts) -> StageCost:
-    """The stage's peak and time per micro-batch under ``plan`` with ``in_flight`` held.
-
-    Example:
-        >>> stage_cost(prof, plan, in_flight=4, parts=StageParts()).peak_bytes
-    """
-    pred = simulate(profile, plan)
-    held = _held(profile, plan)
-    fwd_bwd = pred.fwd_bwd_peak_bytes or pred.peak_bytes
-    extra = parts.buffer_bytes + parts.output_bytes
-    step_end = profile.param_bytes + profile.resident_bytes + extra + parts.merged_bytes
-    peak = max(
-        fwd_bwd + (in_flight - 1) * held + extra,
-        profile.floor_bytes + extra if profile.floor_bytes else 0,
-        step_end if parts.merged_bytes else 0,
-    )
-    return StageCost(peak, held, pred.step_time)
 
 
 def _choose(

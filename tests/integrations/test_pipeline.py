@@ -181,5 +181,45 @@ def test_schedules_other_than_gpipe_and_1f1b_are_refused_with_the_reason():
         in_flight("1f1b", 4, 4, 8)
 
 
+def test_fsdp_inside_a_stage_counts_one_rank_s_parameters_and_plans_no_segments():
+    import gradckpt
+    from gradckpt.integrations.distributed import rank_memory
+    from gradckpt.integrations.pipeline import plan_stage, stage_loss_fn
+    from gradckpt.planning import Segment
+    from gradckpt.testing.pipelines import gpt_stages
+
+    torch.set_num_threads(1)
+    stage = gpt_stages(WORLD, **CONFIG)[0]
+    x = _batch()[0][: BATCH // M]
+    prof = gradckpt.profile(stage, stage_loss_fn(stage, (x,)), repeats=1)
+    opts = dict(schedule="1f1b", stage_index=0, num_stages=WORLD, n_microbatches=M, profile=prof)
+    alone = plan_stage(stage, (x,), 1 << 40, **opts)
+    sharded = plan_stage(stage, (x,), 1 << 40, fsdp_world_size=2, **opts)
+    shift = rank_memory(stage, 2).param_bytes - rank_memory(stage, 1).param_bytes
+    assert sharded.plain_peak_bytes == alone.plain_peak_bytes + shift
+    tight = plan_stage(stage, (x,), int(0.8 * sharded.plain_peak_bytes), fsdp_world_size=2, **opts)
+    assert tight.predicted_peak_bytes <= tight.budget_bytes
+    assert any(u.mode != "keep" for u in tight.plan.units)
+    assert not any(isinstance(item, Segment) for item in tight.plan.items)
+
+
+def test_a_budget_no_plan_meets_names_the_stage_and_its_in_flight_count():
+    from gradckpt.integrations.pipeline import plan_stage
+    from gradckpt.planning.solving.budget import BudgetError
+    from gradckpt.testing.pipelines import gpt_stages
+
+    stage = gpt_stages(WORLD, **CONFIG)[0]
+    x = _batch()[0][: BATCH // M]
+    with pytest.raises(BudgetError, match=r"stage 0 of 2 \(gpipe, 4 micro-batches in flight\)"):
+        plan_stage(stage, (x,), 1 << 20, schedule="gpipe", stage_index=0, num_stages=WORLD,
+                   n_microbatches=M, repeats=1)  # fmt: skip
+    with pytest.raises(ValueError, match="not a fraction"):
+        plan_stage(stage, (x,), 0.5, schedule="gpipe", stage_index=0, num_stages=2,
+                   n_microbatches=M)  # fmt: skip
+    with pytest.raises(ValueError, match="pass loss="):
+        plan_stage(stage, (x,), 1 << 30, schedule="gpipe", stage_index=1, num_stages=2,
+                   n_microbatches=M)  # fmt: skip
+
+
 if __name__ == "__main__":
     _main(sys.argv[1], sys.argv[2])
