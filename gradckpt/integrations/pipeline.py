@@ -307,8 +307,13 @@ def plan_stage(
         raise BudgetError(
             f"pipeline stage {stage_index} of {num_stages} ({name}, {k} micro-batches in "
             f"flight) needs at least {format_bytes(cost.peak_bytes)}, over the budget of "
-            f"{format_bytes(nbytes)}: raise the budget, use more micro-batches of a smaller "
-            "size, or more stages",
+            f"{format_bytes(nbytes)}: raise the budget, "
+            + (
+                "use Schedule1F1B (it keeps fewer micro-batches in flight), smaller "
+                "micro-batches, or more stages"
+                if name == "gpipe"
+                else "use more micro-batches of a smaller size, or more stages"
+            ),
             least_peak_bytes=cost.peak_bytes,
         )
     plain = stage_cost(prof, none_plan(prof), k, parts)
