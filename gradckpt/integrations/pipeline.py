@@ -123,20 +123,21 @@ def stage_loss_fn(
     *,
     loss: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
+    received: bool = True,
 ) -> LossFn:
     """One micro-batch of a stage as a zero-argument loss, the way the schedule runs it.
 
     With ``loss`` (the last stage): ``loss(module(*inputs), target)``. Otherwise the
     backward is fed a gradient of ones the size of the output, made in the step as
-    the received gradient is. Floating inputs require grad (a received activation:
-    its gradient is computed and sent back).
+    the received gradient is. With ``received`` (every stage but the first), floating
+    inputs require grad (a received activation: its gradient is computed and sent back).
 
     Example:
         >>> loss_fn = stage_loss_fn(stage1, (hidden,), loss=cross_entropy, target=y)
     """
     args = tuple(
         t.detach().requires_grad_(True)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        if received and isinstance(t, torch.Tensor) and t.is_floating_point() else t
         for t in inputs
     )  # fmt: skip
 
@@ -287,7 +288,9 @@ def plan_stage(
             "loss_fn) and target= (one micro-batch's target) so its loss is planned"
         )
     k = in_flight(name, stage_index, num_stages, n_microbatches)
-    loss_fn = stage_loss_fn(module, inputs, loss=loss if last else None, target=target)
+    loss_fn = stage_loss_fn(
+        module, inputs, loss=loss if last else None, target=target, received=stage_index > 0
+    )
     prof = _stage_profile(
         module, loss_fn, optimizer, n_microbatches, fsdp_world_size, dict(profile_options)
     )
