@@ -144,6 +144,17 @@ def _zoo_gpt(ns: dict[str, Any], tmp: Path) -> None:
     ns.update(model=ex.model, loss_fn=ex.loss_fn)
 
 
+def _pipeline_stage(ns: dict[str, Any], tmp: Path) -> None:
+    """Rank 0 of 2 pipeline stages (no process group: ``gather_stage_plans`` returns this
+    rank's plan alone): ``stage_module``, one micro-batch ``x_mb``/``y_mb``, ``loss_fn``."""
+    from gradckpt.testing.pipelines import gpt_stages, next_token_loss
+
+    _imports(ns)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    ns.update(stage_module=gpt_stages(2, layers=4, seq=32)[0], rank=0, world=2,
+              x_mb=ids[:, :-1], y_mb=ids[:, 1:], loss_fn=next_token_loss)  # fmt: skip
+
+
 def _saved_plan(ns: dict[str, Any], tmp: Path) -> None:
     """The tiny GPT and a ``plan.json`` made for it in the working directory."""
     _zoo_gpt(ns, tmp)
@@ -234,6 +245,7 @@ SETUPS = {
     "hf-gpt2-small": lambda ns, tmp: _hf_gpt2(ns, tmp, layers=1, seq=8),
     "hf-gpt2-shapes": _hf_gpt2_shapes,
     "zoo-gpt": _zoo_gpt,
+    "pipeline-stage": _pipeline_stage,
     "saved-plan": _saved_plan,
     "profile-and-plan": _profile_and_plan,
     "hf-trainer": _hf_trainer,

@@ -151,6 +151,12 @@ def _chunking_flag(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    from gradckpt.cli.pipeline import add_pipeline_flags as add
+
+    add(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gradckpt import __version__
     from gradckpt.planning.solving.solvers import SOLVERS
@@ -211,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     est.add_argument("--json", action="store_true", help="print JSON only (machine-readable)")
     _chunking_flag(est)
+    add_pipeline_flags(est)
     _common(est)
 
     plan = sub.add_parser(
@@ -243,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _offload_flags(plan)
     _chunking_flag(plan)
+    add_pipeline_flags(plan)
     _common(plan)
 
     exp = sub.add_parser(
@@ -337,6 +345,10 @@ def _run(args: argparse.Namespace) -> int:
             from gradckpt.cli.demo import run_demo
 
             return run_demo(args, out)
+        if args.command in ("estimate", "plan") and getattr(args, "stages", None) is not None:
+            from gradckpt.cli.pipeline import run_pipeline
+
+            return run_pipeline(args, out, budget_required=args.command == "plan")
         if args.command == "estimate":
             from gradckpt.cli.estimate import run_estimate
 
