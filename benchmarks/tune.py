@@ -86,7 +86,7 @@ from benchmarks.harness import (
     write_results,
 )
 from benchmarks.tune_report import CONTENDERS, NAMES, PEAK_STEPS, plot, render
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, time_interleaved
 
 MODELS = ("gpt2", "llama", "vit")

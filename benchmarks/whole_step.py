@@ -69,7 +69,7 @@ from benchmarks.harness import (
     settle,
     write_results,
 )
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, optimizer_memory
 from gradckpt.measure.optimizer import optimizer_state_sizes
 from gradckpt.planning.solving.budget import BudgetError

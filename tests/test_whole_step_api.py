@@ -127,7 +127,7 @@ def test_auto_reads_the_device_and_says_its_rule():
 def test_parameters_and_state_over_the_device_is_one_line(monkeypatch):
     ex = _example("gpt2")
     small = DeviceMemory("cpu", 1 << 30, 2 * state_bytes(ex.model), 0, 0, "a small device")
-    monkeypatch.setattr("gradckpt.api_budget.device_memory", lambda *a, **k: small)
+    monkeypatch.setattr("gradckpt.api.budget.device_memory", lambda *a, **k: small)
     with pytest.raises(BudgetError) as err:
         gradckpt.fit(ex.model, ex.loss_fn, "auto", optimizer="adamw")
     message = str(err.value)

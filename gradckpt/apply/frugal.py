@@ -1,6 +1,6 @@
 """Plans made from fake tensors, checked on real steps that fit: the plain step never runs.
 
-When the plain step may not fit the budget (:mod:`gradckpt.api_budget`), the
+When the plain step may not fit the budget (:mod:`gradckpt.api.budget`), the
 plan comes from a fake profile, which counts no kernel workspace and times ops
 from FLOPs and bytes. This module checks it on the model, running only plans
 predicted to fit, the leanest first:

@@ -118,7 +118,7 @@ class ShapeStats:
     active: str
     rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
     recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
-    #: (shape, route) per planned shape: how it got its plan (gradckpt.replan.ROUTES)
+    #: (shape, route) per planned shape: how it got its plan (gradckpt.api.shape_planner.ROUTES)
     routes: tuple[tuple[str, str], ...] = ()
 
     @property

@@ -1,6 +1,6 @@
 """One real step at a new shape under a given plan, measured at the allocator.
 
-What the re-planner (:class:`gradckpt.replan.ShapePlanner`) falls back on when a
+What the re-planner (:class:`gradckpt.api.shape_planner.ShapePlanner`) falls back on when a
 shape cannot be profiled under fake tensors (MoE kernels whose fake version is
 stricter than the real one, a loss that calls ``nonzero()``, a branch on a
 value): the step at that shape runs once under the leanest plan known, inside

@@ -140,7 +140,7 @@ def _budget_bytes(args: argparse.Namespace, target: Any, optimizer: Any, out: Ou
         from gradckpt.planning.solving.budget import read_budget
 
         return int(read_budget(args.budget)[1])
-    from gradckpt.api_budget import resolve_budget
+    from gradckpt.api.budget import resolve_budget
     from gradckpt.planning.solving.budget import BudgetError
 
     try:

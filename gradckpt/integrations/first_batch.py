@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from gradckpt.api import fit
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.integrations.steps_measured import StepsMeasurement
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.planning.plans.plan import Plan
@@ -271,7 +271,7 @@ def held_bytes(
     optimizer: torch.optim.Optimizer | None = None,
     others: Iterable[nn.Module] = (),
 ) -> int:
-    """:func:`gradckpt.api_budget.resident_bytes`: what a training step holds throughout.
+    """:func:`gradckpt.api.budget.resident_bytes`: what a training step holds throughout.
 
     Example:
         >>> held_bytes(model, opt)  # after a step: params + grads + AdamW's two moments

@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import gradckpt
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.integrations.first_batch import torch_optimizer
 from gradckpt.integrations.hf import BudgetCallback
 from gradckpt.integrations.hf_zoo import hf_example

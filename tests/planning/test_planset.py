@@ -125,7 +125,7 @@ def test_plan_with_infeasible_shape_names_it():
 
 
 def test_sequence_lengths_resize_the_fitted_inputs():
-    from gradckpt.replan import Call, calls_for
+    from gradckpt.api.model_calls import Call, calls_for
 
     ids = torch.arange(6).reshape(1, 6)
     fitted = Call((), {"input_ids": ids, "labels": ids, "scale": 2.0}, _key(1, 6))

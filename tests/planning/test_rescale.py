@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import gradckpt
+from gradckpt.api.model_calls import length_of
 from gradckpt.planning.plans.planset import shape_key
 from gradckpt.planning.solving.rescale import fit_length_scaling
-from gradckpt.replan import length_of
 
 pytest.importorskip("transformers")
 from gradckpt.integrations.hf_zoo import hf_example

@@ -88,7 +88,7 @@ def test_fit_takes_a_budget_its_plan_meets(mamba, given):
     # 4% above what the least plan takes at the allocator; the old profile
     # predicted that plan 11.7% higher and refused this budget. Without a
     # profile, a budget in bytes below the plain peak is planned from a fake
-    # profile (gradckpt.api_budget): that one predicted the same 11.7% over.
+    # profile (gradckpt.api.budget): that one predicted the same 11.7% over.
     model, loss_fn = mamba["model"], mamba["loss_fn"]
     budget = int(mamba["least_peak"] * 1.04)
     with warnings.catch_warnings():

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
 from gradckpt.planning.solving.budget import check_budget
 from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
-__all__ = ["check_arguments", "check_shapes"]
+__all__ = ["check_arguments", "check_shapes", "offload_for"]
 
 _UNSET: Any = object()
 
@@ -125,3 +126,13 @@ def _check_shape_item(item: object, in_step: bool) -> None:
 def _has_tensor(value: object) -> bool:
     leaves, _ = tree_flatten(value)
     return any(isinstance(x, torch.Tensor) for x in leaves)
+
+
+def offload_for(offload: object, solver: object) -> OffloadOptions | None:
+    """``offload=`` checked and as options (None: off)."""
+    options = offload_options(offload)
+    if options is not None and solver != "dp":
+        raise ValueError(
+            f"offload= works with solver='dp' (the baselines only recompute); got solver={solver!r}"
+        )
+    return options
