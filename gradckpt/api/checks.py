@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
-from gradckpt.planning.solving.budget import check_budget
+from gradckpt.planning.solving.budget import Budget
 from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
@@ -39,8 +39,9 @@ def check_arguments(
     segments: object = True,
     shapes: object = None,
     loss_from: object = None,
-) -> None:
-    """Refuse bad arguments in the user's terms, before anything is profiled."""
+) -> Budget | None:
+    """Refuse bad arguments in the user's terms, before anything is profiled; the budget
+    read (None when not given), the one time it is parsed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -48,8 +49,7 @@ def check_arguments(
             "loss_fn must be a zero-argument callable that runs one forward and returns the "
             f"loss (e.g. lambda: model(**batch).loss), got {type(loss_fn).__name__}"
         )
-    if budget is not _UNSET:
-        check_budget(budget)
+    read = Budget.read(budget) if budget is not _UNSET else None
     if blocks is not None and not callable(blocks):
         listed = isinstance(blocks, Collection) and not isinstance(blocks, str)
         if not listed or not all(isinstance(p, str) for p in blocks):
@@ -80,6 +80,7 @@ def check_arguments(
             "loss_from= takes a callable (output, *args, **kwargs) -> scalar loss, got "
             f"{type(loss_from).__name__}"
         )
+    return read
 
 
 def check_shapes(shapes: object) -> None:

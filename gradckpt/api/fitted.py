@@ -6,7 +6,7 @@ leanest plan at the edge of the budget), and its model call recorded: the shape
 key that the guard and the shape planner (:mod:`gradckpt.api.shapes`) start from.
 
 Example:
-    >>> fitted, chosen, prof = plan_fitted(model, loss_fn, "3GiB", PlanOptions())
+    >>> fitted, chosen, prof = plan_fitted(model, loss_fn, Budget.read("3GiB"), PlanOptions())
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gradckpt.measure.beside import malloc_in_use, warn_tensors_only
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan, Segment
 from gradckpt.planning.plans.planset import shape_key
-from gradckpt.planning.solving.budget import BudgetError, read_budget
+from gradckpt.planning.solving.budget import Budget, BudgetError
 from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling import adapters
 from gradckpt.profiling.fake import fake_model
@@ -40,7 +40,7 @@ __all__ = ["EDGE_SHARE", "for_the_running_call", "plan_fitted"]
 def plan_fitted(
     model: nn.Module,
     loss_fn: LossFn,
-    budget: int | float | str,
+    budget: Budget,
     options: PlanOptions,
     measure_candidates: int = 0,
 ) -> tuple[Call | None, Plan, Profile]:
@@ -51,7 +51,7 @@ def plan_fitted(
     call: the step never calls the model's own forward, so there is no shape to guard.
 
     Example:
-        >>> call, plan, prof = plan_fitted(model, loss_fn, 0.5, PlanOptions())
+        >>> call, plan, prof = plan_fitted(model, loss_fn, Budget.read(0.5), PlanOptions())
     """
     # What planning then holds is counted with the steps it checks, at malloc's level;
     # not with offload: on the CPU the host memory it moves tensors to is malloc's too.
@@ -80,7 +80,7 @@ def plan_fitted(
         chosen = plan_beside(planner, budget, budget_bytes, options.solver, since, at_malloc)
     except BudgetError as beside_refused:
         chosen, refused = None, beside_refused
-        reserved = at_malloc and read_budget(budget)[0] != "fraction"
+        reserved = at_malloc and not budget.is_fraction
         if reserved:  # the tensors may fit where they and what is beside them do not
             try:
                 chosen = planner.plan(budget_bytes, options.solver)

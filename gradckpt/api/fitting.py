@@ -119,7 +119,7 @@ def fit(
         >>> print(gradckpt.shape_stats(model).summary())
         >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
     """
-    check_arguments(
+    read = check_arguments(
         model,
         loss_fn,
         budget,
@@ -151,9 +151,9 @@ def fit(
             f"gradckpt: measure_candidates must be a whole number >= 0 (0 turns the "
             f"measurement off), got {measure_candidates!r}"
         )
-    budget, device, step = budget_and_step(
-        model, budget, optimizer, accumulation_steps, set_to_none
-    )
+    assert read is not None
+    resolved = budget_and_step(model, read, optimizer, accumulation_steps, set_to_none)
+    device, step = resolved.device, resolved.step
     held = held_bytes(model, optimizer)
     chunking = bool(chunking) and not compile  # slices run on the eager engine
     options = PlanOptions(
@@ -163,7 +163,7 @@ def fit(
     with adapters.training(model):  # transformers: use_cache off for training, said once
         with allow_chunking(chunking):  # candidates measured by kind see it too
             fitted, chosen, prof = plan_fitted(
-                model, loss_fn, budget, options, measure_candidates
+                model, loss_fn, resolved, options, measure_candidates
             )
         chosen = annotated(chosen, device)
         if fitted is None:

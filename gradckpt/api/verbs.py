@@ -28,7 +28,7 @@ from gradckpt.planning.planner import FrontierPoint, Planner
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.plans.planset import PlanSet
-from gradckpt.planning.solving.budget import check_budget
+from gradckpt.planning.solving.budget import Budget
 from gradckpt.planning.solving.solvers import Solver
 from gradckpt.planning.solving.whole_step import with_training_step
 from gradckpt.profiling.records import Profile
@@ -145,12 +145,14 @@ def plan(
         >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
         >>> print(p.summary())
     """
-    check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver, repeats=repeats,
-                    profile=profile, segments=segments, shapes=shapes,
-                    loss_from=loss_from)  # fmt: skip
-    budget, device, step = budget_and_step(  # the step's arguments are checked first
-        model, budget, optimizer, accumulation_steps, set_to_none
+    read = check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver,
+                           repeats=repeats, profile=profile, segments=segments, shapes=shapes,
+                           loss_from=loss_from)  # fmt: skip
+    assert read is not None
+    resolved = budget_and_step(  # the step's arguments are checked first
+        model, read, optimizer, accumulation_steps, set_to_none
     )
+    device, step = resolved.device, resolved.step
     offload_opts = offload_for(offload, solver)
     held = held_bytes(model, optimizer)
     options = PlanOptions(
@@ -159,11 +161,11 @@ def plan(
     if shapes is None and profile is not None:  # plans from the profile: loss_fn never runs
         whole = with_training_step(profile, step)
         planner = Planner(whole, segments=segments, offload=offload_opts, chunking=chunking)
-        return annotated(planner.plan(budget, solver), device)
+        return annotated(planner.plan(resolved, solver), device)
     with allow_chunking(options.chunking):
         if shapes is None:  # profiled within the budget (never the plain step above it)
-            return annotated(plan_fitted(model, loss_fn, budget, options)[1], device)
-        fitted, first, _ = plan_fitted(model, loss_fn, budget, options)
+            return annotated(plan_fitted(model, loss_fn, resolved, options)[1], device)
+        fitted, first, _ = plan_fitted(model, loss_fn, resolved, options)
     first = annotated(first, device)
     if fitted is None:
         raise ValueError(
@@ -237,8 +239,7 @@ def explain(
     Example:
         >>> print(gradckpt.explain(model, loss_fn, budget="2GiB").table())
     """
-    if budget is not None:
-        check_budget(budget)
+    read = Budget.read(budget) if budget is not None else None
     offload_opts = offload_for(offload, "dp")
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
@@ -249,4 +250,4 @@ def explain(
         if plan is None and budget is None:
             plan = applied_plan(model_or_profile)
         prof = profile_step(model_or_profile, loss_fn, blocks=blocks, repeats=1)
-    return Planner(prof, offload=offload_opts, chunking=chunking).explain(budget, plan)
+    return Planner(prof, offload=offload_opts, chunking=chunking).explain(read, plan)
