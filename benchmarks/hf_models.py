@@ -139,7 +139,7 @@ def _fit(run: Run, budget: int, prof: gradckpt.Profile, log: Any) -> gradckpt.Pl
 
 
 def _measure(run: Run, seed: int, plain: Run | None) -> None:
-    from gradckpt.integrations.hf_zoo import run_step
+    from gradckpt.integrations.hf.zoo import run_step
 
     step = run_step(run.example, seed)
     run.peak_bytes = step.peak_bytes
@@ -151,7 +151,7 @@ def _measure(run: Run, seed: int, plain: Run | None) -> None:
 def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[str, Run]:
     """Build, install, measure and time the four contenders on one model."""
     from gradckpt.integrations import hf
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     def build() -> Any:
         if name == "llama-lora":

@@ -102,7 +102,7 @@ def _budget(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int
 
 def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[str, Any]:
     from gradckpt.integrations import hf
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     longest = sizes["longest"]
     ex = hf_example(

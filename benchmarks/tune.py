@@ -128,7 +128,7 @@ class Setup:
     def build(self) -> tuple[nn.Module, Rows]:
         """A fresh model (same seed, same weights) and the global batch, on the device."""
         from gradckpt.integrations import hf
-        from gradckpt.integrations.hf_zoo import hf_example
+        from gradckpt.integrations.hf.zoo import hf_example
 
         ex = hf_example(self.name, batch=self.global_batch, dropout=0.0, seed=self.seed,
                         **self.sizes)  # fmt: skip

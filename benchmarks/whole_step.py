@@ -93,7 +93,7 @@ def build_model(sizes: dict[str, Any], lora: bool = False) -> Example:
         ex = lora_example("gpt2", rank=8, **sizes)
         ex.model.base_model.model.config.use_cache = False
         return ex
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example("gpt2", **sizes)
     ex.model.config.use_cache = False

@@ -15,7 +15,7 @@ import torch
 
 import gradckpt
 from gradckpt.integrations.hf import disable_cache
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.device import DeviceMemory
 from gradckpt.planning.solving.budget import BudgetError

@@ -15,7 +15,7 @@ from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.plans.planset import proves_monotone
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _example(name, longest=512, batch=2):

@@ -17,7 +17,7 @@ pytest.importorskip("diffusers")
 import gradckpt
 from gradckpt.integrations.diffusers_unet import unet_blocks
 from gradckpt.integrations.diffusers_zoo import unet_example
-from gradckpt.integrations.hf_zoo import run_step
+from gradckpt.integrations.hf.zoo import run_step
 from gradckpt.profiling.units import find_blocks
 
 BUDGET = 0.7

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.integrations import hf
-from gradckpt.integrations.hf_zoo import HF_MODELS, hf_example, run_step
+from gradckpt.integrations.hf.zoo import HF_MODELS, hf_example, run_step
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
 from gradckpt.profiling import model_fingerprint
 

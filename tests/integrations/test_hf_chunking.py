@@ -17,7 +17,7 @@ from gradckpt.measure import AllocatorTracker, state_bytes
 
 pytest.importorskip("transformers")
 
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.integrations.peft_zoo import lora_example
 
 SIZES = dict(layers=2, hidden=64, heads=4, seq=128, batch=2, vocab=32000)

@@ -10,7 +10,7 @@ import pytest
 import gradckpt
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _fit(ex):

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.integrations import hf
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profiling import model_fingerprint
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.offload.runtime import OffloadRuntime
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import Plan, UnitChoice, simulate
 from gradckpt.planning.plans.offload_options import OffloadOptions
 

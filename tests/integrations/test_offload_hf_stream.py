@@ -19,7 +19,7 @@ import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.decisions import Offload
 from gradckpt.engine.offload.runtime import OffloadRuntime
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import simulate
 from gradckpt.planning.solving.solvers import least_peak_plan
 

@@ -18,7 +18,7 @@ from transformers import Trainer, TrainingArguments
 
 import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
-from gradckpt.integrations.hf_zoo import run_step
+from gradckpt.integrations.hf.zoo import run_step
 from gradckpt.integrations.peft_zoo import adapter_names, lora_example
 from gradckpt.planning.plans.plan import iter_units
 

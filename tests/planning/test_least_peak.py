@@ -32,7 +32,7 @@ def _least(prof, segments=True):
 @pytest.fixture(scope="module")
 def llama_profile():
     pytest.importorskip("transformers")
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example("llama")
     return gradckpt.profile(ex.model, ex.loss_fn, repeats=1)

@@ -14,7 +14,7 @@ from gradckpt.planning.plans.planset import shape_key
 from gradckpt.planning.solving.rescale import fit_length_scaling
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _unused_loss():  # plan(profile=...) plans from the profile; the loss is not run
