@@ -265,8 +265,7 @@ def make_contender(setup: Setup, key: str, b: int | None, budget: int) -> Conten
         micro = micro_batches(inputs, b)
         first = micro[0]
         started = time.perf_counter()
-        plan = gradckpt.fit(model, lambda: model(**first).loss, budget, optimizer=opt,
-                            accumulation_steps=len(micro))  # fmt: skip
+        plan = gradckpt.fit(model, lambda: model(**first).loss, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=len(micro)))  # fmt: skip
         info.update(fit_seconds=time.perf_counter() - started, plan=_plan_text(plan),
                     predicted_peak_bytes=plan.predicted_peak_bytes)  # fmt: skip
     elif key == "d":

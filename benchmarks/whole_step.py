@@ -252,8 +252,7 @@ def run_setup(setup: Setup, sizes: dict[str, Any], seed: int, log: Callable[[str
     try:
         before_fit = resident_bytes(ex.model, opt)
         with AllocatorTracker() as everything:
-            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt,
-                                accumulation_steps=k)  # fmt: skip
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=k))  # fmt: skip
             lap("fit")
             torch.manual_seed(seed)
             before_steps = resident_bytes(ex.model, opt)

@@ -37,7 +37,7 @@ def parses(monkeypatch) -> list[object]:
 @pytest.mark.parametrize("budget", [0.8, "50MiB", "auto"])
 def test_fit_parses_its_budget_once(parses, budget):
     ex = make("gpt")
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=budget, repeats=1, measure_candidates=0)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=budget, profiling=gradckpt.ProfileOptions(repeats=1), measure_candidates=0)
     gradckpt.remove(ex.model)
     assert parses == [budget]
     assert plan.budget_bytes is not None
@@ -45,7 +45,7 @@ def test_fit_parses_its_budget_once(parses, budget):
 
 def test_plan_parses_its_budget_once(parses):
     ex = make("gpt")
-    gradckpt.plan(ex.model, ex.loss_fn, budget="50MiB", repeats=1)
+    gradckpt.plan(ex.model, ex.loss_fn, budget="50MiB", profiling=gradckpt.ProfileOptions(repeats=1))
     assert parses == ["50MiB"]
 
 

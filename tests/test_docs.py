@@ -156,7 +156,7 @@ def _profile_and_plan(ns: dict[str, Any], tmp: Path) -> None:
     _zoo_gpt(ns, tmp)
     gradckpt = ns["gradckpt"]
     ns["profile"] = prof = gradckpt.profile(ns["model"], ns["loss_fn"])
-    ns["plan"] = gradckpt.plan(ns["model"], ns["loss_fn"], 0.8, profile=prof)
+    ns["plan"] = gradckpt.plan(ns["model"], ns["loss_fn"], 0.8, profiling=gradckpt.ProfileOptions(profile=prof))
 
 
 def _token_data(n: int = 8, seq: int = 32) -> Any:

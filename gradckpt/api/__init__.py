@@ -4,7 +4,9 @@
 ``fit`` in :mod:`~gradckpt.api.fitting`. Below them, each in its own module:
 
 * :mod:`~gradckpt.api.checks`: arguments refused in the user's terms, before profiling;
-* :mod:`~gradckpt.api.options`: the planning and shape options, as values handed down;
+* :mod:`~gradckpt.api.options`: the options grouped (:class:`ShapeOptions`,
+  :class:`ProfileOptions`, :class:`StepOptions`) and what is handed down;
+* :mod:`~gradckpt.api.old_keywords`: the keywords the groups replaced, for one release;
 * :mod:`~gradckpt.api.budget`: what a budget means (the whole step, the device,
   planning without running the step above it);
 * :mod:`~gradckpt.api.fitted`: the plan for ``loss_fn``'s step and the model call it makes;
@@ -18,6 +20,17 @@ Example:
 """
 
 from gradckpt.api.fitting import fit
+from gradckpt.api.options import ProfileOptions, ShapeOptions, StepOptions
 from gradckpt.api.verbs import FrontierPoint, explain, frontier, plan, profile
 
-__all__ = ["FrontierPoint", "explain", "fit", "frontier", "plan", "profile"]
+__all__ = [
+    "FrontierPoint",
+    "ProfileOptions",
+    "ShapeOptions",
+    "StepOptions",
+    "explain",
+    "fit",
+    "frontier",
+    "plan",
+    "profile",
+]

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from gradckpt.api.options import ProfileOptions, ShapeOptions, StepOptions
 from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
 from gradckpt.planning.solving.budget import Budget
 from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
-__all__ = ["check_arguments", "check_shapes", "offload_for"]
+__all__ = ["check_arguments", "check_groups", "check_shapes", "offload_for"]
 
 _UNSET: Any = object()
 
@@ -137,3 +138,25 @@ def offload_for(offload: object, solver: object) -> OffloadOptions | None:
             f"offload= works with solver='dp' (the baselines only recompute); got solver={solver!r}"
         )
     return options
+
+
+def check_groups(
+    shapes: object, profiling: object, step: object
+) -> tuple[ShapeOptions, ProfileOptions, StepOptions]:
+    """``shapes=``, ``profiling=`` and ``step=`` as their option values (None: the defaults).
+
+    Example:
+        >>> shapes, profiling, step = check_groups(None, ProfileOptions(repeats=1), None)
+    """
+    found = []
+    for name, value, kind in (
+        ("shapes", shapes, ShapeOptions), ("profiling", profiling, ProfileOptions),
+        ("step", step, StepOptions),
+    ):  # fmt: skip
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(
+                f"{name}= takes a gradckpt.{kind.__name__}(...), got {type(value).__name__}"
+            )
+        found.append(value if value is not None else kind())
+    return found[0], found[1], found[2]
+

@@ -11,16 +11,16 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from gradckpt.api.budget import annotated, budget_and_step, check_step_arguments, held_bytes
-from gradckpt.api.checks import check_arguments, offload_for
+from gradckpt.api.checks import check_arguments, check_groups, offload_for
 from gradckpt.api.fitted import for_the_running_call, plan_fitted
-from gradckpt.api.model_calls import LossFrom, calls_for
-from gradckpt.api.options import LossFn, PlanOptions, ShapeHandling
+from gradckpt.api.model_calls import calls_for
+from gradckpt.api.old_keywords import accepts_old_keywords
+from gradckpt.api.options import LossFn, PlanOptions, ProfileOptions, ShapeOptions, StepOptions
 from gradckpt.api.shapes import plan_shape, routed_guard, shape_planner
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import apply, install_guarded
@@ -32,34 +32,27 @@ from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.plans.planset import ShapeKey
 from gradckpt.planning.solving.solvers import Solver
 from gradckpt.profiling import adapters
-from gradckpt.profiling.records import Profile
-from gradckpt.profiling.units import BlockSpec
 
 __all__ = ["fit"]
 
 
+@accepts_old_keywords(
+    "on_new_shape", "loss_from", "round_up", "seq_dim", "rescale", "blocks", "repeats",
+    "profile", "optimizer", "accumulation_steps", "set_to_none",
+)  # fmt: skip
 def fit(
     model: nn.Module,
     loss_fn: LossFn,
     budget: int | float | str,
     *,
-    on_new_shape: str = "replan",
-    shapes: Sequence[Any] | None = None,
-    loss_from: LossFrom | None = None,
-    round_up: bool = False,
-    seq_dim: int = 1,
-    rescale: bool = True,
     measure_candidates: int = 3,
-    blocks: BlockSpec = None,
+    shapes: ShapeOptions | None = None,
+    profiling: ProfileOptions | None = None,
+    step: StepOptions | None = None,
     solver: str | Solver = "dp",
-    repeats: int = 3,
-    profile: Profile | None = None,
     segments: bool = True,
     compile: bool | dict[str, Any] = False,
     offload: bool | OffloadOptions = False,
-    optimizer: Any = None,
-    accumulation_steps: int = 1,
-    set_to_none: bool = True,
     chunking: bool = True,
 ) -> Plan:
     """:func:`plan` and :func:`gradckpt.apply` in one call; returns the applied plan.
@@ -68,25 +61,19 @@ def fit(
     against the shape its plan was made for (:mod:`gradckpt.apply.guard`).
 
     Args:
-        on_new_shape: what a call at a shape without a plan does. ``"replan"``
-            (default): plan it under fake tensors before it runs, under the same
-            budget in bytes (``BudgetError`` before running if nothing fits);
-            ``"warn"``: run the old plan, warning once with its predicted peak
-            there; ``"error"``: raise ``ShapeError``.
-        shapes: shapes to plan now (see :func:`plan`); calls at them switch plans.
-        loss_from: ``(output, *args, **kwargs) -> loss``: how a model call becomes
-            the training loss when planning a new shape (default: ``output.loss``
-            if the output has one, else the sum of its floating tensors).
-        round_up: a call whose shape is bounded in every dimension by a planned
-            shape runs under the smallest such plan instead of being planned.
-            Only for models whose peak is monotone in the input shape (tested for
-            GPT-2, Llama and the GPT of ``gradckpt.testing``).
-        seq_dim: the sequence dimension: integer ``shapes`` resize it, and a call that
-            changes only it is planned by rescaling (below).
-        rescale: plan a call that changes only the sequence length from profiles at
-            four lengths rescaled exactly (:mod:`gradckpt.planning.solving.rescale`; built at the
-            first such call, then each new length costs a solve, not a profile);
-            False profiles every new shape under fake tensors.
+        shapes: :class:`gradckpt.ShapeOptions`: shapes to plan now (``planned``; calls
+            at them switch plans) and what a call at a shape without a plan does
+            (``on_new_shape``: ``"replan"``, the default, plans it under fake tensors
+            before it runs, under the same budget in bytes, ``BudgetError`` before
+            running if nothing fits; ``"warn"`` runs the old plan, warning once with
+            its predicted peak there; ``"error"`` raises ``ShapeError``), with
+            ``loss_from``, ``round_up`` (tested for GPT-2, Llama and the GPT of
+            ``gradckpt.testing``), ``seq_dim`` and ``rescale``
+            (:mod:`gradckpt.planning.solving.rescale`: each new length costs a solve,
+            not a profile).
+        profiling, step: as for :func:`plan`: pass the optimizer you train with in
+            ``step=gradckpt.StepOptions(opt)``, and the budget is your device's memory
+            (``budget="auto"`` reads it).
         measure_candidates: how many plans that fit to run for 3 real steps each,
             interleaved with the plain step, keeping the fastest measured
             (:mod:`gradckpt.apply.select`): the planner's, then the best plan of each
@@ -98,12 +85,9 @@ def fit(
             costs. The plan records ``measured_overhead`` next to
             ``predicted_overhead``. 0 turns it off; fake profiles are never
             measured, nor are the plans made for other shapes.
-        blocks, solver, repeats, profile, segments, offload, chunking: as for
-            :func:`plan`. Under ``compile`` plans do not chunk (chunked slices run on the
-            eager engine: fit without ``compile`` to chunk).
-        optimizer, accumulation_steps, set_to_none: the whole training step, as for
-            :func:`plan`: pass the optimizer you train with, and the budget is your
-            device's memory (``budget="auto"`` reads it).
+        solver, segments, offload, chunking: as for :func:`plan`. Under ``compile``
+            plans do not chunk (chunked slices run on the eager engine: fit without
+            ``compile`` to chunk).
         compile: True or ``torch.compile`` arguments: run the plan inside one
             compiled graph (:func:`gradckpt.compile`; segments included). The
             budget is then held at the allocator, measured: one compiled step is
@@ -118,29 +102,34 @@ def fit(
         >>> plan.predicted_overhead, plan.measured_overhead
         >>> print(gradckpt.shape_stats(model).summary())
         >>> gradckpt.fit(model, loss_fn, budget=0.5, compile={"backend": "inductor"})
+
+    The keywords the option groups replaced (``repeats=``, ``on_new_shape=``,
+    ``optimizer=``, a list as ``shapes=``, ...) still work for one release, with a
+    DeprecationWarning.
     """
+    shapes, profiling, step = check_groups(shapes, profiling, step)
     read = check_arguments(
         model,
         loss_fn,
         budget,
-        blocks=blocks,
+        blocks=profiling.blocks,
         solver=solver,
-        repeats=repeats,
-        profile=profile,
+        repeats=profiling.repeats,
+        profile=profiling.profile,
         segments=segments,
-        shapes=shapes,
-        loss_from=loss_from,
+        shapes=shapes.planned,
+        loss_from=shapes.loss_from,
     )  # before the model is touched; fmt: skip
-    check_step_arguments(optimizer, accumulation_steps, set_to_none)
+    check_step_arguments(step.optimizer, step.accumulation_steps, step.set_to_none)
     offload_opts = offload_for(offload, solver)
     if offload_opts is not None and compile:
         raise ValueError(
             "gradckpt: offload= and compile= cannot be combined yet (offload runs on the "
             "eager engine's saved-tensor hooks); drop one of them"
         )
-    if on_new_shape not in shape_guard.POLICIES:
+    if shapes.on_new_shape not in shape_guard.POLICIES:
         raise ValueError(
-            f"on_new_shape must be one of {shape_guard.POLICIES}, got {on_new_shape!r}"
+            f"on_new_shape must be one of {shape_guard.POLICIES}, got {shapes.on_new_shape!r}"
         )
     if (
         isinstance(measure_candidates, bool)
@@ -152,14 +141,16 @@ def fit(
             f"measurement off), got {measure_candidates!r}"
         )
     assert read is not None
-    resolved = budget_and_step(model, read, optimizer, accumulation_steps, set_to_none)
-    device, step = resolved.device, resolved.step
-    held = held_bytes(model, optimizer)
+    resolved = budget_and_step(
+        model, read, step.optimizer, step.accumulation_steps, step.set_to_none
+    )
+    device = resolved.device
+    held = held_bytes(model, step.optimizer)
     chunking = bool(chunking) and not compile  # slices run on the eager engine
     options = PlanOptions(
-        blocks, solver, repeats, profile, segments, offload_opts, step, held, chunking
-    )
-    handling = ShapeHandling(on_new_shape, loss_from, round_up, seq_dim, rescale)
+        profiling.blocks, solver, profiling.repeats, profiling.profile, segments, offload_opts,
+        resolved.step, held, chunking,
+    )  # fmt: skip
     with adapters.training(model):  # transformers: use_cache off for training, said once
         with allow_chunking(chunking):  # candidates measured by kind see it too
             fitted, chosen, prof = plan_fitted(
@@ -178,14 +169,12 @@ def fit(
             def put(held: Plan) -> None:
                 apply(model, held)
         else:
-            planner = shape_planner(
-                model, fitted, chosen.budget_bytes, options, handling
-            )
+            planner = shape_planner(model, fitted, chosen.budget_bytes, options, shapes)
             plans: dict[ShapeKey | None, Plan] = {fitted.key: chosen}
-            for call in calls_for(fitted, shapes or (), seq_dim):
+            for call in calls_for(fitted, shapes.planned or (), shapes.seq_dim):
                 if call.key not in plans:
                     plans[call.key] = plan_shape(planner, call)
-            guard = routed_guard(model, plans, fitted.key, planner, handling, options.step)
+            guard = routed_guard(model, plans, fitted.key, planner, shapes, options.step)
             install_guarded(model, chosen, guard)
             if call_running(model):  # fit from inside the model's call (a pre-hook)
                 for_the_running_call(model, chosen, prof, options, guard)

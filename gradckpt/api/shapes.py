@@ -5,7 +5,7 @@ that switches between them (``gradckpt.plan(shapes=...)``, ``gradckpt.fit``).
 arguments and call these; the plan at the fitted shape is :mod:`gradckpt.api.fitted`'s.
 
 Example:
-    >>> planner = shape_planner(model, fitted, chosen.budget_bytes, options, ShapeHandling())
+    >>> planner = shape_planner(model, fitted, chosen.budget_bytes, options, ShapeOptions())
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from gradckpt.api.model_calls import Call, LossFrom, step_at, step_call
-from gradckpt.api.options import LossFn, PlanOptions, ShapeHandling
+from gradckpt.api.options import LossFn, PlanOptions, ShapeOptions
 from gradckpt.api.shape_planner import ShapePlanner
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.apply import install_plan
@@ -59,12 +59,12 @@ def shape_planner(
     fitted: Call,
     budget_bytes: int | None,
     options: PlanOptions,
-    shapes: ShapeHandling,
+    shapes: ShapeOptions,
 ) -> ShapePlanner:
     """Plans other shapes of ``fitted``'s call under the same budget in bytes (fake profiles).
 
     Example:
-        >>> planner = shape_planner(model, call, plan.budget_bytes, PlanOptions(), ShapeHandling())
+        >>> planner = shape_planner(model, call, plan.budget_bytes, PlanOptions(), ShapeOptions())
     """
     assert budget_bytes is not None
     loss_from = shapes.loss_from
@@ -211,13 +211,13 @@ def routed_guard(
     plans: dict[ShapeKey | None, Plan],
     active: ShapeKey,
     planner: ShapePlanner,
-    shapes: ShapeHandling,
+    shapes: ShapeOptions,
     step: TrainingStep | None = None,
 ) -> shape_guard.ShapeGuard:
     """The shape guard ``fit`` installs: checks each call, switches or plans per shape.
 
     Example:
-        >>> install_guarded(model, plan, routed_guard(model, plans, key, planner, ShapeHandling()))
+        >>> install_guarded(model, plan, routed_guard(model, plans, key, planner, ShapeOptions()))
     """
 
     def step_of(inputs: list[tuple[tuple, dict[str, Any]]]) -> Call:

@@ -10,16 +10,16 @@ registered adapters) and asks a :class:`~gradckpt.planning.planner.Planner`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from gradckpt.api.budget import annotated, budget_and_step, held_bytes, training_step
-from gradckpt.api.checks import check_arguments, offload_for
+from gradckpt.api.checks import check_arguments, check_groups, offload_for
 from gradckpt.api.fitted import plan_fitted
-from gradckpt.api.model_calls import LossFrom, calls_for
-from gradckpt.api.options import LossFn, PlanOptions, ShapeHandling
+from gradckpt.api.model_calls import calls_for
+from gradckpt.api.old_keywords import accepts_old_keywords
+from gradckpt.api.options import LossFn, PlanOptions, ProfileOptions, ShapeOptions, StepOptions
 from gradckpt.api.shapes import plan_shape, shape_planner
 from gradckpt.apply.apply import applied_plan
 from gradckpt.planning.explaining.explain import Explanation
@@ -71,23 +71,21 @@ def _profile(model: nn.Module, loss_fn: LossFn, options: PlanOptions) -> Profile
     return with_training_step(prof, options.step)
 
 
+@accepts_old_keywords(
+    "loss_from", "seq_dim", "blocks", "repeats", "profile", "optimizer", "accumulation_steps",
+    "set_to_none",
+)  # fmt: skip
 def plan(
     model: nn.Module,
     loss_fn: LossFn,
     budget: int | float | str,
     *,
-    blocks: BlockSpec = None,
+    shapes: ShapeOptions | None = None,
+    profiling: ProfileOptions | None = None,
+    step: StepOptions | None = None,
     solver: str | Solver = "dp",
-    repeats: int = 3,
-    profile: Profile | None = None,
     segments: bool = True,
-    shapes: Sequence[Any] | None = None,
-    loss_from: LossFrom | None = None,
-    seq_dim: int = 1,
     offload: bool | OffloadOptions = False,
-    optimizer: Any = None,
-    accumulation_steps: int = 1,
-    set_to_none: bool = True,
     chunking: bool = True,
 ) -> Plan | PlanSet:
     """The least-recompute checkpointing plan whose peak fits ``budget``; the model is untouched.
@@ -104,34 +102,30 @@ def plan(
             planning: when the plain step may not fit it, the step is profiled under
             fake tensors and checked on steps under plans that fit
             (:mod:`gradckpt.api.budget`).
-        blocks: the repeated blocks (paths or predicate); found automatically if None.
+        shapes: :class:`gradckpt.ShapeOptions`: also plan the shapes ``planned`` of the
+            model call (sequence lengths, or example inputs), each profiled under fake
+            tensors (:mod:`gradckpt.api.shape_planner`), with ``loss_from`` and ``seq_dim``.
+        profiling: :class:`gradckpt.ProfileOptions`: the blocks, the profiled steps
+            (``repeats``), or a ``profile`` from ``gradckpt.profile(...)`` to reuse.
+        step: :class:`gradckpt.StepOptions`: count the whole training step: its
+            ``optimizer`` (state and ``step()`` temporaries predicted on fake tensors,
+            :func:`gradckpt.measure.optimizer_memory`; the plan's peak is then the
+            step's whole peak, in parts in ``plan.step``), ``accumulation_steps`` and
+            ``set_to_none``. None: not counted (the summary says so).
         solver: "dp" (default) or a baseline name from ``gradckpt.planning.solving.solvers.SOLVERS``.
-        repeats: profiled steps to take median op times from.
-        profile: a profile from ``gradckpt.profile(...)`` to reuse instead of measuring.
         segments: allow regions that span several units (False for FSDP, whose
             units' parameters are sharded when a segment would recompute them).
-        shapes: also plan these shapes of the model call (sequence lengths, or example
-            inputs: dicts of keyword inputs, tuples of positional ones); each is
-            profiled under fake tensors, see :mod:`gradckpt.api.shape_planner`.
-        loss_from: with ``shapes``, how a model call's output becomes the loss.
-        seq_dim: with integer ``shapes``, the inputs' sequence dimension.
         offload: also consider moving blocks' saved tensors to host memory (the DP
             chooses keep, recompute or offload per block): True (a 25 GB/s link, no
             host budget) or :class:`gradckpt.OffloadOptions` (bandwidth, host budget,
             min bytes). On CPU the time it costs is simulated from that bandwidth.
-        optimizer: count the whole training step: a live ``torch.optim.Optimizer``, a
-            class or ``(class, kwargs)``, or a name ("adamw", "sgd", ...). Its state and
-            ``step()`` temporaries are predicted on fake tensors
-            (:func:`gradckpt.measure.optimizer_memory`); the plan's peak is then the
-            step's whole peak, in parts in ``plan.step``. None: not counted (the
-            summary says so).
-        accumulation_steps: micro-batches per optimizer step; from the second on the
-            gradients are resident through forward and backward.
-        set_to_none: False when gradients are zeroed in place (resident always).
         chunking: let an LM head and the cross-entropy after it run in slices of
             tokens, each recomputed (``Chunk`` in the plan), where that pays under the
             budget: the logits are never whole. Exact up to the order of
             floating-point sums; False keeps plans bit for bit as without it.
+
+    The keywords these groups replaced (``repeats=``, ``optimizer=``, ``seq_dim=``, a
+    list as ``shapes=``, ...) still work for one release, with a DeprecationWarning.
 
     Returns:
         A :class:`Plan` with its predicted peak and overhead; with ``shapes``, a
@@ -145,25 +139,29 @@ def plan(
         >>> p = gradckpt.plan(model, lambda: model(x).loss, budget="3GiB")
         >>> print(p.summary())
     """
-    read = check_arguments(model, loss_fn, budget, blocks=blocks, solver=solver,
-                           repeats=repeats, profile=profile, segments=segments, shapes=shapes,
-                           loss_from=loss_from)  # fmt: skip
+    shapes, profiling, step = check_groups(shapes, profiling, step)
+    planned = shapes.planned
+    read = check_arguments(model, loss_fn, budget, blocks=profiling.blocks, solver=solver,
+                           repeats=profiling.repeats, profile=profiling.profile,
+                           segments=segments, shapes=planned,
+                           loss_from=shapes.loss_from)  # fmt: skip
     assert read is not None
     resolved = budget_and_step(  # the step's arguments are checked first
-        model, read, optimizer, accumulation_steps, set_to_none
+        model, read, step.optimizer, step.accumulation_steps, step.set_to_none
     )
-    device, step = resolved.device, resolved.step
+    device, whole_step = resolved.device, resolved.step
     offload_opts = offload_for(offload, solver)
-    held = held_bytes(model, optimizer)
+    held = held_bytes(model, step.optimizer)
     options = PlanOptions(
-        blocks, solver, repeats, profile, segments, offload_opts, step, held, bool(chunking)
-    )
-    if shapes is None and profile is not None:  # plans from the profile: loss_fn never runs
-        whole = with_training_step(profile, step)
+        profiling.blocks, solver, profiling.repeats, profiling.profile, segments, offload_opts,
+        whole_step, held, bool(chunking),
+    )  # fmt: skip
+    if planned is None and profiling.profile is not None:  # loss_fn never runs
+        whole = with_training_step(profiling.profile, whole_step)
         planner = Planner(whole, segments=segments, offload=offload_opts, chunking=chunking)
         return annotated(planner.plan(resolved, solver), device)
     with allow_chunking(options.chunking):
-        if shapes is None:  # profiled within the budget (never the plain step above it)
+        if planned is None:  # profiled within the budget (never the plain step above it)
             return annotated(plan_fitted(model, loss_fn, resolved, options)[1], device)
         fitted, first, _ = plan_fitted(model, loss_fn, resolved, options)
     first = annotated(first, device)
@@ -173,9 +171,8 @@ def plan(
             "no input whose shapes= could be varied; plan the module the step calls"
         )
     plans = {fitted.key: first}
-    handling = ShapeHandling(loss_from=loss_from, seq_dim=seq_dim)
-    planner = shape_planner(model, fitted, first.budget_bytes, options, handling)
-    for call in calls_for(fitted, shapes, seq_dim):
+    planner = shape_planner(model, fitted, first.budget_bytes, options, shapes)
+    for call in calls_for(fitted, planned, shapes.seq_dim):
         if call.key not in plans:
             plans[call.key] = plan_shape(planner, call)
     return PlanSet(tuple(plans.items()))

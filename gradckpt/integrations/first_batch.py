@@ -37,6 +37,7 @@ from torch import nn
 
 from gradckpt.api import fit
 from gradckpt.api.budget import resident_bytes
+from gradckpt.api.old_keywords import as_groups
 from gradckpt.integrations.steps_measured import StepsMeasurement
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.planning.plans.plan import Plan
@@ -336,7 +337,7 @@ def fit_on_batch(
                 least_peak_bytes=other,
             )
     if plan is None:
-        plan = fit(model, loss_fn, planned_budget, **plan_options)
+        plan = fit(model, loss_fn, planned_budget, **as_groups(plan_options))
         budget_bytes = int(plan.budget_bytes or plan.baseline_peak_bytes) + other
     else:
         _apply_ready(model, plan, plan_options.get("accumulation_steps"))

@@ -90,7 +90,7 @@ def test_fit_measures_each_kind_and_installs_the_fastest_measured(setup, monkeyp
     # GPU), so nothing is kept back for what malloc holds beside them on this CPU.
     monkeypatch.setattr(fitted, "malloc_in_use", lambda: None)
     at_allocator = replace(prof, beside_bytes=0)
-    plan = gradckpt.fit(model, ex.loss_fn, chosen.budget_bytes, profile=at_allocator)
+    plan = gradckpt.fit(model, ex.loss_fn, chosen.budget_bytes, profiling=gradckpt.ProfileOptions(profile=at_allocator))
     try:
         kinds = {plan_kind(p) for p in measured}
         assert kinds == _ALL, f"measured kinds {kinds}"

@@ -88,7 +88,7 @@ def test_fit_under_autocast_matches_the_plain_autocast_run(name):
     assert plain.loss.dtype == torch.float32 and all(
         g.dtype == torch.float32 for g in plain.grads.values()
     )
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     step = run_step(ex)
     gradckpt.remove(ex.model)
     # Something inside the blocks is checkpointed: a block unit that is not kept,

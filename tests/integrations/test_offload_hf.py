@@ -64,7 +64,7 @@ def test_hf_fit_with_offload_holds_the_budget(name):
     plain = run_step(ex)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     budget = int(0.85 * prof.measured_peak_bytes)
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof, offload=OPTIONS,
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS,
                         measure_candidates=0)  # fmt: skip
     try:
         step = run_step(ex)
