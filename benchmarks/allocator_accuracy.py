@@ -65,7 +65,7 @@ def _zoo(name: str, **sizes: Any) -> Callable[[], Example]:
 def _hf(name: str) -> Callable[[], Example]:
     def build() -> Example:
         from gradckpt.integrations.hf import disable_cache
-        from gradckpt.integrations.hf_zoo import hf_example
+        from gradckpt.integrations.hf.zoo import hf_example
 
         ex = hf_example(name, **HF_SIZES)
         disable_cache(ex.model)  # as gradckpt.fit does: no KV cache while training

@@ -72,7 +72,7 @@ QUICK = {
 
 
 def _example(family: str, sizes: dict[str, Any]) -> Example:
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example(family, **sizes)
     ex.model.config.use_cache = False

@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
     probe = make("gpt", **sizes)
     try:
-        plan = gradckpt.plan(probe.model, probe.loss_fn, args.budget, repeats=1)
+        plan = gradckpt.plan(probe.model, probe.loss_fn, args.budget, profiling=gradckpt.ProfileOptions(repeats=1))
     except gradckpt.BudgetError as exc:  # tiny --quick sizes: the leanest plan instead
         print(f"  budget {args.budget} does not fit; planning at the least peak")
-        plan = gradckpt.plan(probe.model, probe.loss_fn, exc.least_peak_bytes, repeats=1)
+        plan = gradckpt.plan(probe.model, probe.loss_fn, exc.least_peak_bytes, profiling=gradckpt.ProfileOptions(repeats=1))
     examples = {name: make("gpt", **sizes) for name in DESCRIPTIONS}
     peaks: dict[str, int | None] = {}
     for name, ex in examples.items():

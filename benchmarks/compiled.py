@@ -1,6 +1,6 @@
 """Compiled benchmark: torch.compile's own activation_memory_budget against gradckpt's plan run by the compiler.
 
-Per model (HF GPT-2 and Llama from ``gradckpt.integrations.hf_zoo``, the
+Per model (HF GPT-2 and Llama from ``gradckpt.integrations.hf.zoo``, the
 U-Net from ``gradckpt.testing``), contenders:
 
 * ``eager``: no plan, not compiled (the reference for the ratios);
@@ -142,7 +142,7 @@ def _example(model: str, sizes: dict[str, Any], device: str = "cpu") -> Any:
 
         return make("unet", device=device, **sizes)
     from gradckpt.integrations.hf import disable_cache
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example(model, **sizes)
     disable_cache(ex.model)  # training: no KV cache, for every contender (as gradckpt.fit does)

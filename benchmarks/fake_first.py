@@ -80,7 +80,7 @@ def _fit(build: Callable[[], Example], budget: int, real: bool) -> tuple[gradckp
     ex = build()
     start = time.perf_counter()
     prof = gradckpt.profile(ex.model, ex.loss_fn) if real else None
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     seconds = time.perf_counter() - start
     gradckpt.remove(ex.model)
     return plan, seconds

@@ -413,7 +413,7 @@ def planning_time(sizes: dict, args: Any, log: Callable[[str], None] = print) ->
         for _ in range(args.plan_repeats):
             t0 = time.perf_counter()
             try:
-                gradckpt.plan(ex.model, ex.loss_fn, budget, solver="dp", profile=prof)
+                gradckpt.plan(ex.model, ex.loss_fn, budget, solver="dp", profiling=gradckpt.ProfileOptions(profile=prof))
             except gradckpt.BudgetError as e:  # still a complete planning call: timed
                 errors[label] = f"BudgetError: {e}"
             times.append(time.perf_counter() - t0)

@@ -49,7 +49,7 @@ def _one(dry: bool, device: str, k: int, log: Callable[[str], None]) -> str:
     least = gradckpt.Planner(whole).least_peak()[1].peak_bytes
     budget = max(int(0.6 * whole.measured_peak_bytes), (least + whole.measured_peak_bytes) // 2)
     with AllocatorTracker(device) as everything:
-        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt, accumulation_steps=k)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=k))
         with AllocatorTracker(device) as steps:
             _train(ex.model, ex.loss_fn, opt, k, 3)
     params = state_bytes(ex.model)

@@ -126,7 +126,7 @@ def _fit(run: Run, budget: int, prof: gradckpt.Profile, log: Any) -> gradckpt.Pl
     names, recorded as ``budget_raised_to`` (the run's budget is then that one)."""
     ex = run.example
     try:
-        return gradckpt.fit(ex.model, ex.loss_fn, budget=budget, profile=prof)
+        return gradckpt.fit(ex.model, ex.loss_fn, budget=budget, profiling=gradckpt.ProfileOptions(profile=prof))
     except gradckpt.BudgetError as exc:
         named = exc.least_peak_bytes
         if named is None or "beside the step's tensors" not in str(exc):
@@ -135,11 +135,11 @@ def _fit(run: Run, budget: int, prof: gradckpt.Profile, log: Any) -> gradckpt.Pl
             f"at the {mib(named)} MiB the refusal names")  # fmt: skip
         run.budget_bytes = named
         run.info["budget_raised_to"] = named
-        return gradckpt.fit(ex.model, ex.loss_fn, budget=named, profile=prof)
+        return gradckpt.fit(ex.model, ex.loss_fn, budget=named, profiling=gradckpt.ProfileOptions(profile=prof))
 
 
 def _measure(run: Run, seed: int, plain: Run | None) -> None:
-    from gradckpt.integrations.hf_zoo import run_step
+    from gradckpt.integrations.hf.zoo import run_step
 
     step = run_step(run.example, seed)
     run.peak_bytes = step.peak_bytes
@@ -151,7 +151,7 @@ def _measure(run: Run, seed: int, plain: Run | None) -> None:
 def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[str, Run]:
     """Build, install, measure and time the four contenders on one model."""
     from gradckpt.integrations import hf
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     def build() -> Any:
         if name == "llama-lora":
@@ -198,7 +198,7 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
         # a plan it predicts cheaper than checkpointing every layer?
         try:
             every = gradckpt.plan(
-                run.example.model, run.example.loss_fn, budget, profile=prof,
+                run.example.model, run.example.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof),
                 solver="every_block",
             )  # fmt: skip
             run.info["every_block_predicted_overhead"] = every.predicted_overhead

@@ -100,7 +100,7 @@ def accelerator_timed(prof: gradckpt.Profile) -> gradckpt.Profile:
 
 def _example(name: str, sizes: dict[str, Any]):
     if name == "hf-gpt2":
-        from gradckpt.integrations.hf_zoo import hf_example
+        from gradckpt.integrations.hf.zoo import hf_example
 
         ex = hf_example("gpt2", **sizes)
         ex.model.config.use_cache = False

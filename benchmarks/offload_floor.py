@@ -69,7 +69,7 @@ QUICK = {
 def _example(family: str, sizes: dict[str, Any]):
     if family == "zoo":
         return make("gpt", **sizes)
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example(family, **sizes)
     ex.model.config.use_cache = False

@@ -143,7 +143,7 @@ def run_offload_contenders(dry: bool, device: str, log: Callable[[str], None]) -
     options = gradckpt.OffloadOptions(d2h_bandwidth=d2h, h2d_bandwidth=h2d)
     notes = []
     try:
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     except gradckpt.BudgetError as e:
         # torch's checkpoint can reach below gradckpt's least peak (its frames keep
         # less): compare at gradckpt's least instead, and say so.
@@ -152,7 +152,7 @@ def run_offload_contenders(dry: bool, device: str, log: Callable[[str], None]) -
         budget = e.least_peak_bytes or budget
     for name, offload in (("gradckpt", False), ("gradckpt_offload", options)):
         try:
-            plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=offload)
+            plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=offload)
         except gradckpt.BudgetError as e:
             notes.append(f"{name}: no plan at {budget} B: {str(e)[:200]}")
             continue
@@ -194,7 +194,7 @@ def _below_the_floor(ex: Example, prof, options, device: str, notes: list[str]):
     _, without = least_peak_plan(prof, segments=False)
     _, floor = least_peak_offload(prof, options, segments=False)
     try:
-        plan = gradckpt.plan(ex.model, ex.loss_fn, floor.peak_bytes, profile=prof,
+        plan = gradckpt.plan(ex.model, ex.loss_fn, floor.peak_bytes, profiling=gradckpt.ProfileOptions(profile=prof),
                              segments=False, offload=options)  # fmt: skip
     except gradckpt.BudgetError as e:
         notes.append(f"gradckpt_offload_floor: no plan at {floor.peak_bytes} B: {str(e)[:200]}")
@@ -230,7 +230,7 @@ def _at_nine_tenths(ex: Example, prof, options, device: str, notes: list[str]):
     _, without = least_peak_plan(prof)
     budget = int(0.9 * without.peak_bytes)
     try:
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=options)
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=options)
     except gradckpt.BudgetError as e:
         notes.append(f"gradckpt_offload_0.9: no plan at {budget} B: {str(e)[:300]}")
         return None

@@ -146,7 +146,7 @@ def measure_llama70b() -> dict[str, Any]:
     prof, prof_wall, prof_cpu = _timed(lambda: gradckpt.profile(model, loss_fn, fake=True))
     print(f"llama-70b: built in {build_wall:.1f} s, profiled in {prof_wall:.1f} s", flush=True)
     budget = int(prof.param_bytes + BUDGET_SHARE * (prof.measured_peak_bytes - prof.param_bytes))
-    plan, plan_wall, plan_cpu = _timed(lambda: gradckpt.plan(model, loss_fn, budget, profile=prof))
+    plan, plan_wall, plan_cpu = _timed(lambda: gradckpt.plan(model, loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof)))
     row = {
         **LLAMA70B,
         "blocks": len(prof.blocks),

@@ -93,7 +93,7 @@ def _budget(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int
     """(budget, least peak, plain peak) at the longest length, from a fake profile."""
     prof = gradckpt.profile(model, lambda: model(**batch).loss, fake=True)
     try:
-        gradckpt.plan(model, lambda: model(**batch).loss, 1, profile=prof)
+        gradckpt.plan(model, lambda: model(**batch).loss, 1, profiling=gradckpt.ProfileOptions(profile=prof))
         raise AssertionError("a one-byte budget fitted")
     except gradckpt.BudgetError as exc:
         least = exc.least_peak_bytes
@@ -102,7 +102,7 @@ def _budget(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int
 
 def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[str, Any]:
     from gradckpt.integrations import hf
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     longest = sizes["longest"]
     ex = hf_example(
@@ -122,10 +122,10 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
     g = models["gradckpt"]
     first = _batch(ids, lengths[0])
     start = time.perf_counter()
-    gradckpt.fit(g, lambda: g(**first).loss, budget, repeats=1)
+    gradckpt.fit(g, lambda: g(**first).loss, budget, profiling=gradckpt.ProfileOptions(repeats=1))
     fit_s = time.perf_counter() - start
     # one plan for the longest length (apply: no shape guard), also used padded.
-    longest_plan = gradckpt.plan(models["one-plan"], lambda: models["one-plan"](**_batch(ids, longest)).loss, budget, repeats=1)  # fmt: skip
+    longest_plan = gradckpt.plan(models["one-plan"], lambda: models["one-plan"](**_batch(ids, longest)).loss, budget, profiling=gradckpt.ProfileOptions(repeats=1))  # fmt: skip
     gradckpt.apply(models["one-plan"], longest_plan)
     gradckpt.apply(models["padded"], longest_plan)
 

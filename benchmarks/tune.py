@@ -86,7 +86,7 @@ from benchmarks.harness import (
     write_results,
 )
 from benchmarks.tune_report import CONTENDERS, NAMES, PEAK_STEPS, plot, render
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, time_interleaved
 
 MODELS = ("gpt2", "llama", "vit")
@@ -128,7 +128,7 @@ class Setup:
     def build(self) -> tuple[nn.Module, Rows]:
         """A fresh model (same seed, same weights) and the global batch, on the device."""
         from gradckpt.integrations import hf
-        from gradckpt.integrations.hf_zoo import hf_example
+        from gradckpt.integrations.hf.zoo import hf_example
 
         ex = hf_example(self.name, batch=self.global_batch, dropout=0.0, seed=self.seed,
                         **self.sizes)  # fmt: skip
@@ -265,8 +265,7 @@ def make_contender(setup: Setup, key: str, b: int | None, budget: int) -> Conten
         micro = micro_batches(inputs, b)
         first = micro[0]
         started = time.perf_counter()
-        plan = gradckpt.fit(model, lambda: model(**first).loss, budget, optimizer=opt,
-                            accumulation_steps=len(micro))  # fmt: skip
+        plan = gradckpt.fit(model, lambda: model(**first).loss, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=len(micro)))  # fmt: skip
         info.update(fit_seconds=time.perf_counter() - started, plan=_plan_text(plan),
                     predicted_peak_bytes=plan.predicted_peak_bytes)  # fmt: skip
     elif key == "d":

@@ -69,7 +69,7 @@ from benchmarks.harness import (
     settle,
     write_results,
 )
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.measure import AllocatorTracker, optimizer_memory
 from gradckpt.measure.optimizer import optimizer_state_sizes
 from gradckpt.planning.solving.budget import BudgetError
@@ -93,7 +93,7 @@ def build_model(sizes: dict[str, Any], lora: bool = False) -> Example:
         ex = lora_example("gpt2", rank=8, **sizes)
         ex.model.base_model.model.config.use_cache = False
         return ex
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example("gpt2", **sizes)
     ex.model.config.use_cache = False
@@ -252,8 +252,7 @@ def run_setup(setup: Setup, sizes: dict[str, Any], seed: int, log: Callable[[str
     try:
         before_fit = resident_bytes(ex.model, opt)
         with AllocatorTracker() as everything:
-            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt,
-                                accumulation_steps=k)  # fmt: skip
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=k))  # fmt: skip
             lap("fit")
             torch.manual_seed(seed)
             before_steps = resident_bytes(ex.model, opt)

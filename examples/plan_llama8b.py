@@ -55,7 +55,7 @@ def main() -> None:
     for budget in args.budgets:
         start = time.perf_counter()
         try:
-            plan = gradckpt.plan(model, loss_fn, budget, profile=prof)
+            plan = gradckpt.plan(model, loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
         except gradckpt.BudgetError as error:
             print(f"\n{budget}: {error}")
             continue

@@ -9,7 +9,17 @@ Example:
 """
 
 from gradckpt import integrations, measure, planning, policies, profiling
-from gradckpt.api import FrontierPoint, explain, fit, frontier, plan, profile
+from gradckpt.api import (
+    FrontierPoint,
+    ProfileOptions,
+    ShapeOptions,
+    StepOptions,
+    explain,
+    fit,
+    frontier,
+    plan,
+    profile,
+)
 from gradckpt.apply import PlanMismatchError, applied_plan, apply, remove
 from gradckpt.apply.guard import ShapeError, ShapeStats, shape_stats
 from gradckpt.compiled.in_graph import compile
@@ -62,12 +72,15 @@ __all__ = [
     "Planner",
     "PolicyContext",
     "Profile",
+    "ProfileOptions",
     "Recompute",
     "RecomputeOffload",
     "Segment",
     "Selective",
     "ShapeError",
+    "ShapeOptions",
     "ShapeStats",
+    "StepOptions",
     "TuneResult",
     "UnitChoice",
     "__version__",

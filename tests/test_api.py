@@ -18,7 +18,7 @@ def test_plan_leaves_the_model_exactly_as_found():
     state = {k: v.clone() for k, v in ex.model.state_dict().items()}
     grads = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
     rng = torch.get_rng_state()
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=0.9, repeats=1)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(repeats=1))
     assert isinstance(plan, gradckpt.Plan) and plan.budget_bytes is not None
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in ex.model.state_dict().items())
@@ -28,11 +28,11 @@ def test_plan_leaves_the_model_exactly_as_found():
 
 def test_fit_applies_the_plan_it_returns():
     ex = make("gpt")
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=0.8, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=0.8, profiling=gradckpt.ProfileOptions(repeats=1))
     assert gradckpt.applied_plan(ex.model) is plan
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     # Planning again on an applied model measures the plain model, not the plan.
-    again = gradckpt.plan(ex.model, ex.loss_fn, budget=0.8, repeats=1)
+    again = gradckpt.plan(ex.model, ex.loss_fn, budget=0.8, profiling=gradckpt.ProfileOptions(repeats=1))
     assert again.baseline_peak_bytes == plan.baseline_peak_bytes
     gradckpt.remove(ex.model)
 

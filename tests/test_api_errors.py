@@ -78,7 +78,7 @@ def test_loss_fn_that_is_not_callable_or_model_that_is_not_a_module():
 
 def test_apply_and_remove_refuse_what_is_not_a_model():
     ex = make("mlp", blocks=2, width=16, hidden=32, batch=4)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, 1.0, repeats=1)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(repeats=1))
     with pytest.raises(TypeError, match=r"nn\.Module"):
         gradckpt.apply("model", plan)
     with pytest.raises(TypeError, match=r"nn\.Module"):
@@ -100,7 +100,7 @@ def test_loss_fn_that_calls_backward_itself_is_told_so():
 
     for fn in (loss_fn, loss_fn_returning_nothing):
         with pytest.raises(ProfileError, match=r"backward\(\) itself"):
-            gradckpt.plan(ex.model, fn, 0.5, repeats=1)
+            gradckpt.plan(ex.model, fn, 0.5, profiling=gradckpt.ProfileOptions(repeats=1))
         assert all(p.grad is None for p in ex.model.parameters())
 
 
@@ -116,13 +116,13 @@ def test_model_with_nothing_to_checkpoint_suggests_blocks():
     model = Flat()
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="blocks="):
-        gradckpt.plan(model, lambda: model(x).sum(), 0.5, repeats=1)
+        gradckpt.plan(model, lambda: model(x).sum(), 0.5, profiling=gradckpt.ProfileOptions(repeats=1))
 
 
 def test_loss_from_that_cannot_take_the_models_arguments_is_refused_at_fit(counted):
     model, loss_fn, _ = counted
     with pytest.raises(TypeError, match=r"loss_from\(output, \*args, \*\*kwargs\)"):
-        gradckpt.fit(model, loss_fn, 1.0, loss_from=lambda output: output.sum(), shapes=[8])
+        gradckpt.fit(model, loss_fn, 1.0, shapes=gradckpt.ShapeOptions([8], loss_from=lambda output: output.sum()))
     assert gradckpt.applied_plan(model) is None
     with pytest.raises(TypeError, match="loss_from= takes a callable"):
-        gradckpt.fit(model, loss_fn, 1.0, loss_from="loss")
+        gradckpt.fit(model, loss_fn, 1.0, shapes=gradckpt.ShapeOptions(loss_from="loss"))

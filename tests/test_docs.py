@@ -9,7 +9,7 @@ stand on the lines right before a block:
   into the page's namespace first. The setups define what the text takes as
   given (``model``, ``batch``, ``loss_fn``, ``opt``, a Trainer's ``args``, ...)
   with the small models of :mod:`gradckpt.testing` and
-  :mod:`gradckpt.integrations.hf_zoo`, built from configs with random weights,
+  :mod:`gradckpt.integrations.hf.zoo`, built from configs with random weights,
   where the text shows big ones.
 * ``<!-- not-run: REASON -->`` marks a block that cannot run here (CUDA, several
   processes, a download); the reason is required and the marked blocks are counted.
@@ -112,7 +112,7 @@ def _imports(ns: dict[str, Any]) -> None:
 
 def _hf_gpt2(ns: dict[str, Any], tmp: Path, *, layers: int = 2, seq: int = 32) -> None:
     """``model`` (a GPT-2 from a config), its ``batch``, ``loss_fn`` and an AdamW ``opt``."""
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     _imports(ns)
     ex = hf_example("gpt2", layers=layers, hidden=64, seq=seq, batch=2)
@@ -122,7 +122,7 @@ def _hf_gpt2(ns: dict[str, Any], tmp: Path, *, layers: int = 2, seq: int = 32) -
 
 def _hf_gpt2_shapes(ns: dict[str, Any], tmp: Path) -> None:
     """The GPT-2 above, ``batch_128`` (sequence length 128) and a ``loader`` of other lengths."""
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     _imports(ns)
     ex = hf_example("gpt2", layers=2, hidden=64, seq=128, batch=2)
@@ -167,7 +167,7 @@ def _profile_and_plan(ns: dict[str, Any], tmp: Path) -> None:
     _zoo_gpt(ns, tmp)
     gradckpt = ns["gradckpt"]
     ns["profile"] = prof = gradckpt.profile(ns["model"], ns["loss_fn"])
-    ns["plan"] = gradckpt.plan(ns["model"], ns["loss_fn"], 0.8, profile=prof)
+    ns["plan"] = gradckpt.plan(ns["model"], ns["loss_fn"], 0.8, profiling=gradckpt.ProfileOptions(profile=prof))
 
 
 def _token_data(n: int = 8, seq: int = 32) -> Any:

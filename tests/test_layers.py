@@ -43,14 +43,11 @@ _WHERE = (
     ("gradckpt.profiling", "profile"),
     ("gradckpt.planning.", "plan"),
     ("gradckpt.planning", "plan"),
-    ("gradckpt.replan", "plan"),
     ("gradckpt.apply.", "apply"),
     ("gradckpt.apply", "apply"),
     ("gradckpt.compiled.", "compiled"),
     ("gradckpt.compiled", "compiled"),
-    ("gradckpt.api_shapes", "api"),
-    ("gradckpt.api_budget", "api"),
-    ("gradckpt.api_checks", "api"),
+    ("gradckpt.api.", "api"),
     ("gradckpt.tuning.", "api"),
     ("gradckpt.tuning", "api"),
     ("gradckpt.api", "api"),
@@ -204,17 +201,25 @@ def test_the_check_sees_an_upward_import_between_planning_parts(tmp_path):
 
 
 def planning_graph() -> dict[str, set[str]]:
-    """Module -> the planning modules it imports (inside functions too).
+    """Module -> the planning modules it imports (inside functions and for type checking too)."""
+    return module_graph(_planning_sources(), runtime_only=False)
+
+
+def module_graph(sources: list[Path], runtime_only: bool) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` it imports (inside functions too).
 
     ``from a.b import c`` imports module ``a.b.c`` when there is one, else ``a.b``.
     A module's parent packages run before it whatever it imports, so they are not
-    edges (``gradckpt.planning`` imports the kinds, and every module is under it).
+    edges unless it imports them by name (``gradckpt.planning`` imports the kinds,
+    and every module is under it). ``runtime_only``: imports under
+    ``if TYPE_CHECKING:`` never run, so they are left out.
     """
-    modules = {_module_name(p): p for p in _planning_sources()}
+    modules = {_module_name(p): p for p in sources}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _runtime_imports(tree) if runtime_only else ast.walk(tree):
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -222,6 +227,33 @@ def planning_graph() -> dict[str, set[str]]:
                 found.update([s for s in subs if s in modules] or [node.module])
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The imports of ``tree`` that can run: all but those under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for other in child.orelse:  # the else branch does run
+                    visit_one(other)
+            else:
+                visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        visit(node)
+
+    visit(tree)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -264,3 +296,31 @@ def test_the_circle_check_sees_a_circle():
     graph["gradckpt.planning.handlers.registry"].add("gradckpt.planning.kinds")  # a lazy load
     circles = import_circles(graph)
     assert len(circles) == 1 and "gradckpt.planning.kinds.keep" in circles[0]
+
+
+# ------------------------------------------------------------ the whole package
+
+# [#44] A lazy import that exists to dodge a circle is a circle: the graph of every
+# module's imports that can run (function-level ones included) has none.
+
+
+def test_no_import_circle_anywhere_in_gradckpt():
+    graph = module_graph(_sources(), runtime_only=True)
+    assert "gradckpt.apply.guard" in graph["gradckpt.apply.wrappers"]
+    assert import_circles(graph) == []
+
+
+def test_the_package_circle_check_sees_lazy_imports_but_not_type_checking_ones(tmp_path):
+    source = _planted(
+        tmp_path,
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import gradckpt.cli\n"
+        "else:\n    import gradckpt.measure\n"
+        "def f():\n    from gradckpt.api import plan\n",
+    )
+    runtime = [node.lineno for node in _runtime_imports(ast.parse(source.read_text()))]
+    assert runtime == [1, 5, 7]
+    graph = module_graph(_sources(), runtime_only=True)
+    graph["gradckpt.apply.guard_routing"].add("gradckpt.apply.apply")  # install_plan, lazily
+    circles = import_circles(graph)
+    assert len(circles) == 1 and "gradckpt.apply.wrappers" in circles[0]

@@ -32,7 +32,7 @@ def test_fit_with_a_profile_and_no_measuring_runs_a_loss_fn_that_reads_item():
     ex, loss_fn, logged = _logging_step()
     prof = gradckpt.profile(ex.model, loss_fn, repeats=1)
     logged.clear()
-    plan = gradckpt.fit(ex.model, loss_fn, 0.8, profile=prof, measure_candidates=0)
+    plan = gradckpt.fit(ex.model, loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=0)
     try:
         assert isinstance(plan, Plan) and plan.measured_overhead is None
         assert gradckpt.applied_plan(ex.model) is plan
@@ -49,6 +49,6 @@ def test_fit_with_a_profile_and_no_measuring_runs_a_loss_fn_that_reads_item():
 def test_plan_with_a_profile_and_shapes_runs_a_loss_fn_that_reads_item():
     ex, loss_fn, _ = _logging_step()
     prof = gradckpt.profile(ex.model, loss_fn, repeats=1)
-    plans = gradckpt.plan(ex.model, loss_fn, 0.8, profile=prof, shapes=[16])
+    plans = gradckpt.plan(ex.model, loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof), shapes=gradckpt.ShapeOptions([16]))
     assert isinstance(plans, PlanSet) and len(plans.entries) == 2
     assert gradckpt.applied_plan(ex.model) is None  # plan() leaves the model untouched

@@ -17,15 +17,15 @@ def gpt():
 
 def test_plan_offload_true_uses_the_default_link(gpt):
     ex, prof = gpt
-    plan = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profile=prof, offload=True)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof), offload=True)
     assert plan.offload == gradckpt.OffloadOptions()
     assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 def test_plan_offload_false_is_the_plain_planner(gpt):
     ex, prof = gpt
-    plain = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profile=prof)
-    off = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profile=prof, offload=False)
+    plain = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof))
+    off = gradckpt.plan(ex.model, ex.loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof), offload=False)
     assert off == plain and off.offload is None
     assert all(u.mode != "offload" for u in off.units)
 
@@ -75,7 +75,7 @@ def test_fit_with_offload_applies_and_trains_exactly(gpt):
     ex.loss_fn().backward()
     plain = {k: p.grad.clone() for k, p in ex.model.named_parameters()}
     ex.model.zero_grad(set_to_none=True)
-    plan = gradckpt.fit(ex.model, ex.loss_fn, 0.8, profile=prof, measure_candidates=0,
+    plan = gradckpt.fit(ex.model, ex.loss_fn, 0.8, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=0,
                         offload=gradckpt.OffloadOptions(min_bytes=1024))  # fmt: skip
     try:
         assert any(u.mode == "offload" for u in plan.units)

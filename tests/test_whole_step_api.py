@@ -15,7 +15,7 @@ import torch
 
 import gradckpt
 from gradckpt.integrations.hf import disable_cache
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.measure.device import DeviceMemory
 from gradckpt.planning.solving.budget import BudgetError
@@ -69,7 +69,7 @@ def test_fit_holds_the_whole_step_from_planning_to_the_5th_step(name, k):
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
     with AllocatorTracker() as everything:
         plan, budget = _or_the_budget_named(
-            lambda b: gradckpt.fit(ex.model, ex.loss_fn, b, optimizer=opt, accumulation_steps=k),
+            lambda b: gradckpt.fit(ex.model, ex.loss_fn, b, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=k)),
             budget,
         )
         torch.manual_seed(5)
@@ -94,7 +94,7 @@ def test_plan_then_apply_holds_it_with_gradients_never_set_to_none():
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
     with AllocatorTracker() as everything:
         plan, budget = _or_the_budget_named(
-            lambda b: gradckpt.plan(ex.model, ex.loss_fn, b, optimizer=opt, set_to_none=False),
+            lambda b: gradckpt.plan(ex.model, ex.loss_fn, b, step=gradckpt.StepOptions(optimizer=opt, set_to_none=False)),
             budget,
         )
         disable_cache(ex.model)  # as plan's warning says: it was planned without a KV cache
@@ -112,13 +112,13 @@ def test_a_budget_above_the_plain_step_profiles_it_for_real():
     ex = _example("gpt2")
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
     whole = gradckpt.profile(ex.model, ex.loss_fn, optimizer=opt, repeats=1)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, 2 * whole.measured_peak_bytes, optimizer=opt)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, 2 * whole.measured_peak_bytes, step=gradckpt.StepOptions(optimizer=opt))
     assert plan.peak_level == "allocator" and plan.baseline_peak_bytes == whole.measured_peak_bytes
 
 
 def test_auto_reads_the_device_and_says_its_rule():
     ex = _example("gpt2")
-    plan = gradckpt.plan(ex.model, ex.loss_fn, "auto", optimizer="adamw")
+    plan = gradckpt.plan(ex.model, ex.loss_fn, "auto", step=gradckpt.StepOptions(optimizer="adamw"))
     assert plan.step.budget_rule.startswith("MemAvailable")
     assert plan.step.headroom > 0 and plan.budget_bytes > plan.predicted_peak_bytes
     assert "budget from the device: MemAvailable" in plan.summary()
@@ -127,9 +127,9 @@ def test_auto_reads_the_device_and_says_its_rule():
 def test_parameters_and_state_over_the_device_is_one_line(monkeypatch):
     ex = _example("gpt2")
     small = DeviceMemory("cpu", 1 << 30, 2 * state_bytes(ex.model), 0, 0, "a small device")
-    monkeypatch.setattr("gradckpt.api_budget.device_memory", lambda *a, **k: small)
+    monkeypatch.setattr("gradckpt.api.budget.device_memory", lambda *a, **k: small)
     with pytest.raises(BudgetError) as err:
-        gradckpt.fit(ex.model, ex.loss_fn, "auto", optimizer="adamw")
+        gradckpt.fit(ex.model, ex.loss_fn, "auto", step=gradckpt.StepOptions(optimizer="adamw"))
     message = str(err.value)
     assert "\n" not in message and "parameters (" in message and "optimizer state (" in message
     assert gradckpt.applied_plan(ex.model) is None
@@ -139,11 +139,11 @@ def test_bad_step_arguments_are_refused_before_profiling():
     ex = _example("gpt2")
     model = copy.deepcopy(ex.model)
     with pytest.raises(ValueError, match="accumulation_steps"):
-        gradckpt.fit(model, ex.loss_fn, "1GiB", accumulation_steps=0)
+        gradckpt.fit(model, ex.loss_fn, "1GiB", step=gradckpt.StepOptions(accumulation_steps=0))
     with pytest.raises(TypeError, match="set_to_none"):
-        gradckpt.plan(model, ex.loss_fn, "1GiB", set_to_none="yes")
+        gradckpt.plan(model, ex.loss_fn, "1GiB", step=gradckpt.StepOptions(set_to_none="yes"))
     with pytest.raises(ValueError, match="optimizer=None"):
-        gradckpt.plan(model, ex.loss_fn, "1GiB", optimizer="lion")
+        gradckpt.plan(model, ex.loss_fn, "1GiB", step=gradckpt.StepOptions(optimizer="lion"))
     assert gradckpt.applied_plan(model) is None
 
 
@@ -152,7 +152,7 @@ def test_a_new_shape_is_planned_for_the_whole_step_too():
     budget = int(0.6 * plain_peak)
     ex = _example("gpt2")
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-3)
-    first = gradckpt.fit(ex.model, ex.loss_fn, budget, optimizer=opt, accumulation_steps=2)
+    first = gradckpt.fit(ex.model, ex.loss_fn, budget, step=gradckpt.StepOptions(optimizer=opt, accumulation_steps=2))
     ids = ex.inputs["input_ids"][:, :48]
     batch = {"input_ids": ids, "labels": ids}
     with AllocatorTracker() as at:

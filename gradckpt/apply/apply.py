@@ -293,6 +293,9 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
     return model
 
 
+shape_guard.register_installer(install_plan)  # a guard switches plans through it
+
+
 def prepare_for_compile(model: nn.Module) -> nn.Module:
     """Make the installed forwards that open regions opaque to Dynamo (imports it).
 

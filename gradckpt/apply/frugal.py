@@ -1,6 +1,6 @@
 """Plans made from fake tensors, checked on real steps that fit: the plain step never runs.
 
-When the plain step may not fit the budget (:mod:`gradckpt.api_budget`), the
+When the plain step may not fit the budget (:mod:`gradckpt.api.budget`), the
 plan comes from a fake profile, which counts no kernel workspace and times ops
 from FLOPs and bytes. This module checks it on the model, running only plans
 predicted to fit, the leanest first:
@@ -34,8 +34,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from gradckpt.apply.apply import apply, remove
-from gradckpt.apply.measured_step import measured_step, model_device, timed_step
+from gradckpt.apply.apply import apply
+from gradckpt.apply.measured_step import PlanSteps
 from gradckpt.apply.select import candidate_plans, pick_fastest
 from gradckpt.measure.beside import warn_tensors_only
 from gradckpt.measure.memory import format_bytes
@@ -44,9 +44,7 @@ from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.budget import BudgetError
-from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
-from gradckpt.profiling.state import StepState
 
 __all__ = ["TRIES", "frugal_measured"]
 
@@ -61,28 +59,22 @@ class _Runner:
         self, model: nn.Module, loss_fn: Callable[[], torch.Tensor], raw: Profile,
         since: int | None = None, at_malloc: bool = True,
     ) -> None:  # fmt: skip
-        self.model, self.loss_fn, self.raw = model, loss_fn, raw
-        self.since = since  # malloc's bytes in use when planning began
+        self.raw = raw
         self.at_malloc = at_malloc
-        self.guard = StepState(model)
-        self.clock = work_clock(raw.device)
-        self.device = model_device(model)
+        self.steps = PlanSteps(
+            model, loss_fn, install=apply, clock=work_clock(raw.device), beside_since=since
+        )
 
     def run(self, plan: Plan, measure: bool) -> tuple[float, Excess | None]:
         """(step seconds, what the step held beyond the fake prediction, or None unmeasured)."""
-        apply(self.model, plan)
-        try:
-            if not measure:
-                return timed_step(self.guard, self.loss_fn, self.device, self.clock), None
-            reading = measured_step(self.guard, self.loss_fn, self.device, self.clock,
-                                    beside_since=self.since)  # fmt: skip
-        finally:
-            remove(self.model)
+        seconds, reading = self.steps.run(plan, measure)
+        if reading is None:
+            return seconds, None
         measured = self.raw.param_bytes + reading.peak_bytes
         # On CUDA an out-of-memory error sees what the caching allocator reserved.
         measured = max(measured, reading.reserved_high_water_bytes or 0)
         allocator = measured - simulate(self.raw, plan).fwd_bwd_peak_bytes
-        return reading.seconds, Excess(allocator, reading.beside_bytes if self.at_malloc else 0)
+        return seconds, Excess(allocator, reading.beside_bytes if self.at_malloc else 0)
 
 
 class Excess(NamedTuple):
@@ -127,12 +119,9 @@ def frugal_measured(
         BudgetError: even the leanest plan measured over the budget.
     """
     runner = _Runner(model, loss_fn, raw, since, at_malloc)
-    try:
-        # As profiled (transformers: no KV cache), so the steps compare with the profile.
-        with adapters.preparing(model), runner.guard.watching_modules():
-            return _checked(runner, planner, chosen, budget, max(1, count), rounds, solver)
-    finally:
-        runner.guard.restore()
+    # As profiled (transformers: no KV cache), so the steps compare with the profile.
+    with runner.steps:
+        return _checked(runner, planner, chosen, budget, max(1, count), rounds, solver)
 
 
 def _checked(

@@ -41,6 +41,7 @@ from gradckpt.apply.guard_routing import (
     ShapeGuard,
     ShapeStats,
     quick_sig,
+    register_installer,
 )
 from gradckpt.planning.plans.call_key import as_written
 from gradckpt.profiling.adapters import Adapter, register_adapter
@@ -63,6 +64,7 @@ __all__ = [
     "paused",
     "quick_sig",
     "raised",
+    "register_installer",
     "returned",
     "shape_stats",
 ]

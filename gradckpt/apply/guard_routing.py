@@ -58,7 +58,15 @@ from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.profiling.units import CALL_MARK
 
-__all__ = ["POLICIES", "Planner", "Predictor", "ShapeError", "ShapeGuard", "ShapeStats"]
+__all__ = [
+    "POLICIES",
+    "Planner",
+    "Predictor",
+    "ShapeError",
+    "ShapeGuard",
+    "ShapeStats",
+    "register_installer",
+]
 
 POLICIES = ("replan", "warn", "error")
 
@@ -110,7 +118,7 @@ class ShapeStats:
     active: str
     rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
     recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
-    #: (shape, route) per planned shape: how it got its plan (gradckpt.replan.ROUTES)
+    #: (shape, route) per planned shape: how it got its plan (gradckpt.api.shape_planner.ROUTES)
     routes: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -128,6 +136,16 @@ class ShapeStats:
             f"{self.recompiles} torch._dynamo recompile(s); "
             f"policy {self.policy}; active shape {self.active}"
         )
+
+
+# How a guard puts a plan on its model: gradckpt.apply.apply's install_plan, handed
+# down when that module loads (it builds on the guard, so the guard cannot import it).
+_INSTALLER: list[Callable[[nn.Module, Plan], Any]] = []
+
+
+def register_installer(install: Callable[[nn.Module, Plan], Any]) -> None:
+    """Make ``install(model, plan)`` how every guard switches its model's plan."""
+    _INSTALLER[:] = [install]
 
 
 @dataclass(eq=False)
@@ -403,9 +421,8 @@ class ShapeGuard(StepRouting):
         """Make ``model`` the guarded one; a copy's guard then switches the copy's plans."""
         self.owner = weakref.ref(model)
         if self.switch is None:
-            from gradckpt.apply.apply import install_plan  # apply imports this module
-
-            self.switch = functools.partial(install_plan, model)
+            assert _INSTALLER, "gradckpt.apply.apply registers install_plan when it loads"
+            self.switch = functools.partial(_INSTALLER[0], model)
 
     def copied(self, keep_planner: bool) -> ShapeGuard:
         """This guard for a copy of its model (see :mod:`gradckpt.apply.guard_copies`)."""

@@ -1,41 +1,42 @@
-"""One training step from the state the model was found in, timed and measured at the allocator.
+"""One training step under a plan, from the state the model was found in, timed and measured.
 
 Three checks run a real step of the user's ``loss_fn`` under a plan to see what
 it holds: the frugal check of fake-planned plans (:mod:`gradckpt.apply.frugal`),
 the step at a new shape fake tensors cannot profile
 (:mod:`gradckpt.apply.real_shape`) and the compiled budget hold
-(:mod:`gradckpt.compiled.hold`). Each step starts from the gradients, buffers
-and RNG the caller's :class:`~gradckpt.profiling.state.StepState` snapshotted
+(:mod:`gradckpt.compiled.hold`). They all run it through :class:`PlanSteps`:
+the plan is put on the model for the step and the plan the model had put back
+after; each step starts from the gradients, buffers and RNG snapshotted on entry
 (so every step, and the user's own after them, runs as a plain model's would),
 adopts the leaves outside the model its graph reaches, and runs forward and
-backward under :class:`~gradckpt.measure.AllocatorTracker` (:func:`timed_step`:
-timed only, for warm-ups and later rounds). Putting the plan on the model (and
-taking it off) stays with the caller: each does it its own way (a plain model,
-a shape guard's plan to put back, a compiled model).
+backward under :class:`~gradckpt.measure.AllocatorTracker` (or timed only, for
+warm-ups and later rounds).
 
 Example:
-    >>> state = StepState(model)
-    >>> try:
-    ...     reading = measured_step(state, loss_fn, model_device(model))
-    ... finally:
-    ...     state.restore()
+    >>> with PlanSteps(model, loss_fn) as steps:
+    ...     seconds, reading = steps.run(plan)
     >>> reading.peak_bytes  # allocator bytes above the level at entry
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from gradckpt.apply.apply import applied_plan, install_plan, remove
 from gradckpt.measure.allocator import AllocatorTracker
 from gradckpt.measure.beside import BesideReading
 from gradckpt.measure.timing import work_clock
+from gradckpt.planning.plans.plan import Plan
+from gradckpt.profiling import adapters
 from gradckpt.profiling.state import StepState
 
-__all__ = ["StepReading", "measured_step", "model_device", "timed_step"]
+__all__ = ["PlanSteps", "StepReading", "measured_step", "model_device", "timed_step"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,71 @@ def _step(
     del loss  # freed inside a measured region, as in a plain step
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the clock reads the work done
+
+
+class PlanSteps:
+    """Real steps of ``loss_fn``, each under a plan put on ``model`` for it and from the
+    state the model was in on entry; at exit that state and the model's plan are back.
+
+    Args:
+        install: how a plan goes on the model (default :func:`~gradckpt.apply.apply.install_plan`,
+            which leaves a shape guard alone; :func:`~gradckpt.apply.apply.apply` for a
+            plain model). A model without a plan is plain again after each step; the
+            plan a model had is installed again at exit.
+        clock: what to time steps with (default: :func:`~gradckpt.measure.timing.work_clock`).
+        beside_since: see :func:`measured_step`.
+        prepared: run the steps as profiled (registered adapters' preparation:
+            transformers without KV cache), so they compare with the profile;
+            ``watch_modules``: snapshot buffers of modules outside the model too.
+            Both off for a compiled step: Dynamo would trace the hooks into it.
+
+    Example:
+        >>> with PlanSteps(model, step, install=apply) as steps:
+        ...     seconds, _ = steps.run(plan, measure=False)
+        ...     seconds, reading = steps.run(plan)
+    """
+
+    def __init__(
+        self, model: nn.Module, loss_fn: Callable[[], torch.Tensor], *,
+        install: Callable[[nn.Module, Plan], Any] = install_plan,
+        clock: Callable[[], float] | None = None, beside_since: int | None = None,
+        prepared: bool = True, watch_modules: bool = True,
+    ) -> None:  # fmt: skip
+        self.model, self.loss_fn, self.install = model, loss_fn, install
+        self.device = model_device(model)
+        self.clock = clock if clock is not None else work_clock(self.device)
+        self.beside_since = beside_since  # malloc's bytes in use when planning began
+        self.prepared, self.watch_modules = prepared, watch_modules
+        self.state = StepState(model)
+        self._before = applied_plan(model)
+        self._entered = ExitStack()
+
+    def __enter__(self) -> PlanSteps:
+        with ExitStack() as entering:
+            entering.callback(self.state.restore)
+            if self.prepared:
+                entering.enter_context(adapters.preparing(self.model))
+            if self.watch_modules:
+                entering.enter_context(self.state.watching_modules())
+            self._entered = entering.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._entered.close()
+        if self._before is not None:  # once the state is back, as the model had it
+            install_plan(self.model, self._before)
+
+    def run(self, plan: Plan | None, measure: bool = True) -> tuple[float, StepReading | None]:
+        """One step under ``plan`` (None: the model as it is): its seconds, and what it held
+        (None when not ``measure``: timed only)."""
+        if plan is not None:
+            self.install(self.model, plan)
+        try:
+            if not measure:
+                return timed_step(self.state, self.loss_fn, self.device, self.clock), None
+            reading = measured_step(self.state, self.loss_fn, self.device, self.clock,
+                                    beside_since=self.beside_since)  # fmt: skip
+            return reading.seconds, reading
+        finally:
+            if self._before is None and applied_plan(self.model) is not None:
+                remove(self.model)

@@ -1,6 +1,6 @@
 """One real step at a new shape under a given plan, measured at the allocator.
 
-What the re-planner (:class:`gradckpt.replan.ShapePlanner`) falls back on when a
+What the re-planner (:class:`gradckpt.api.shape_planner.ShapePlanner`) falls back on when a
 shape cannot be profiled under fake tensors (MoE kernels whose fake version is
 stricter than the real one, a loss that calls ``nonzero()``, a branch on a
 value): the step at that shape runs once under the leanest plan known, inside
@@ -27,17 +27,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from gradckpt.apply.apply import applied_plan, install_plan, remove
-from gradckpt.apply.measured_step import measured_step, model_device
+from gradckpt.apply.measured_step import PlanSteps
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.solvers import Solver
-from gradckpt.profiling import adapters
 from gradckpt.profiling.records import Profile
-from gradckpt.profiling.state import StepState
 
 __all__ = ["measured_at_shape", "step_peak", "unseen_share", "verified_at_shape"]
 
@@ -55,18 +52,9 @@ def step_peak(model: nn.Module, step: Callable[[], torch.Tensor], plan: Plan) ->
     The plan installed before (if any) is installed again after, and the model's
     gradients, buffers and RNG are left as found.
     """
-    before = applied_plan(model)
-    state = StepState(model)
-    try:
-        with adapters.preparing(model), state.watching_modules():
-            install_plan(model, plan)
-            reading = measured_step(state, step, model_device(model))
-    finally:
-        state.restore()
-        if before is not None:
-            install_plan(model, before)
-        elif applied_plan(model) is not None:
-            remove(model)
+    with PlanSteps(model, step) as steps:
+        _, reading = steps.run(plan)
+    assert reading is not None
     return reading.peak_bytes
 
 

@@ -22,6 +22,9 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
+from gradckpt.cli.arguments import budget_type as _budget
+from gradckpt.cli.arguments import common_flags as _common
+from gradckpt.cli.arguments import positive_int, positive_ints
 from gradckpt.cli.extras import CliError
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -32,44 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise CliError(f"{message} (see {self.prog} --help)")
-
-
-def _budget(text: str):
-    from gradckpt.cli.common import budget_arg
-
-    return budget_arg(text)
-
-
-def positive_ints(what: str, example: str):
-    """An argparse type: whole numbers >= 1 separated by commas, named ``what`` in errors."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            values = []
-        if not values or any(n < 1 for n in values):
-            raise argparse.ArgumentTypeError(
-                f"expected {what} separated by commas (e.g. {example}), got {text!r}"
-            )
-        return values
-
-    return parse
-
-
-def positive_int(what: str):
-    """An argparse type: one whole number >= 1, ``what`` it counts named in errors."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{what} are a whole number >= 1, got {text!r}")
-        return n
-
-    return parse
 
 
 _lengths = positive_ints("positive sequence lengths", "128,256,512")
@@ -94,14 +59,6 @@ def _step_flags(p: argparse.ArgumentParser, what: str) -> None:
         help="gradients are zeroed in place (zero_grad(set_to_none=False)), so resident "
         "through every forward (default: set to None)",
     )  # fmt: skip
-
-
-def _common(p: argparse.ArgumentParser, threads: int | None = None, why: str = "") -> None:
-    default = f"{threads}{why}" if threads else "torch's own choice"
-    p.add_argument(
-        "--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})"
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
 
 
 def _target_flags(p: argparse.ArgumentParser) -> None:

@@ -156,10 +156,12 @@ def _plan_set(args: argparse.Namespace, target, prof, plan):
 
     try:
         return gradckpt.plan(
-            target.model, target.loss_fn, plan.budget_bytes, shapes=args.shapes, profile=prof,
-            solver=args.solver, blocks=_blocks(args), offload=offload_from_args(args) or False,
-            optimizer=None if args.optimizer == "none" else args.optimizer,
-            accumulation_steps=args.accumulation, set_to_none=not args.zero_grads,
+            target.model, target.loss_fn, plan.budget_bytes,
+            shapes=gradckpt.ShapeOptions(args.shapes),
+            profiling=gradckpt.ProfileOptions(_blocks(args), profile=prof), solver=args.solver,
+            offload=offload_from_args(args) or False,
+            step=gradckpt.StepOptions(None if args.optimizer == "none" else args.optimizer,
+                                      args.accumulation, not args.zero_grads),
             chunking=args.chunking,
         )  # fmt: skip
     except BudgetError as e:

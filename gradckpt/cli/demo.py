@@ -80,7 +80,7 @@ def _step(run: Run, seed: int, tracked: bool) -> float:
     ``optimizer.step()``, with what was resident when it began (parameters, the
     optimizer's state): the whole step's peak, what the budget holds.
     """
-    from gradckpt.api_budget import resident_bytes
+    from gradckpt.api.budget import resident_bytes
     from gradckpt.measure import AllocatorTracker
 
     model = run.example.model

@@ -44,7 +44,7 @@ HINT = (
 
 def add_parser(sub: Any) -> None:
     """The ``tune`` subcommand and its flags."""
-    from gradckpt.cli import _budget, _common, positive_int, positive_ints
+    from gradckpt.cli.arguments import budget_type, common_flags, positive_int, positive_ints
 
     _whole = positive_int("samples per optimizer step")
     _rounds = positive_int("real runs per measured candidate")
@@ -65,7 +65,7 @@ def add_parser(sub: Any) -> None:
         "path/to/file.py[:function] returning (model, loss_fn, make_loss)",
     )  # fmt: skip
     p.add_argument(
-        "--budget", type=_budget, required=True,
+        "--budget", type=budget_type, required=True,
         help="the whole training step's memory: bytes with units (800MB, 1.5GiB) or 'auto' "
         "(--device memory less headroom); not a fraction (the plain peak differs per size)",
     )  # fmt: skip
@@ -100,7 +100,7 @@ def add_parser(sub: Any) -> None:
         help="comma-separated module paths of the repeated blocks (default: found automatically)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON only (machine-readable)")
-    _common(p)
+    common_flags(p)
 
 
 def _check_budget(args: argparse.Namespace) -> None:
@@ -140,7 +140,7 @@ def _budget_bytes(args: argparse.Namespace, target: Any, optimizer: Any, out: Ou
         from gradckpt.planning.solving.budget import read_budget
 
         return int(read_budget(args.budget)[1])
-    from gradckpt.api_budget import resolve_budget
+    from gradckpt.api.budget import resolve_budget
     from gradckpt.planning.solving.budget import BudgetError
 
     try:

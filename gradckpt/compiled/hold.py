@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from gradckpt.apply.apply import remove
-from gradckpt.apply.measured_step import measured_step, model_device, timed_step
+from gradckpt.apply.measured_step import PlanSteps
 from gradckpt.compiled.in_graph import compile as compile_planned
 from gradckpt.compiled.in_graph import restamp_compiled, uncompile
 from gradckpt.compiled.watch import unwatch
@@ -49,7 +49,6 @@ from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.solving.budget import BudgetError
 from gradckpt.planning.solving.solvers import Solver
-from gradckpt.profiling.state import StepState
 
 __all__ = ["MAX_COMPILES", "compile_within_budget", "compiled_step_peak", "hold_budget"]
 
@@ -68,16 +67,13 @@ def compiled_step_peak(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) ->
     Example:
         >>> gradckpt.compile(model, loss_fn); compiled_step_peak(model, loss_fn)
     """
-    # Not StepState.watching_modules: Dynamo would trace its global module hook
-    # into the step (a graph break, and a recompile once the hook is gone).
-    state = StepState(model)
-    device = model_device(model)
-    try:
+    # Not watching modules: Dynamo would trace its global module hook into the step
+    # (a graph break, and a recompile once the hook is gone). The plan is compiled in.
+    with PlanSteps(model, loss_fn, prepared=False, watch_modules=False) as steps:
         for _ in range(2):
-            timed_step(state, loss_fn, device)
-        measured = measured_step(state, loss_fn, device)
-    finally:
-        state.restore()
+            steps.run(None, measure=False)
+        _, measured = steps.run(None)
+    assert measured is not None
     return state_bytes(model) + measured.peak_bytes
 
 

@@ -59,6 +59,7 @@ from torch import nn
 
 from gradckpt.api import plan as gradckpt_plan
 from gradckpt.api import profile as gradckpt_profile
+from gradckpt.api.old_keywords import as_groups
 from gradckpt.apply.apply import apply
 from gradckpt.measure.memory import MemoryTracker
 from gradckpt.planning.planner import Planner
@@ -304,7 +305,7 @@ def plan_for_ddp(
     """
 
     def make() -> Plan:
-        return gradckpt_plan(model, loss_fn, budget, **plan_options)
+        return gradckpt_plan(model, loss_fn, budget, **as_groups(plan_options))
 
     return _plan_on_src(make, src, group)
 

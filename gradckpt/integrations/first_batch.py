@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from gradckpt.api import fit
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
+from gradckpt.api.old_keywords import as_groups
 from gradckpt.integrations.steps_measured import StepsMeasurement
 from gradckpt.measure.memory import format_bytes, storage_sizes
 from gradckpt.planning.plans.plan import Plan
@@ -271,7 +272,7 @@ def held_bytes(
     optimizer: torch.optim.Optimizer | None = None,
     others: Iterable[nn.Module] = (),
 ) -> int:
-    """:func:`gradckpt.api_budget.resident_bytes`: what a training step holds throughout.
+    """:func:`gradckpt.api.budget.resident_bytes`: what a training step holds throughout.
 
     Example:
         >>> held_bytes(model, opt)  # after a step: params + grads + AdamW's two moments
@@ -336,7 +337,7 @@ def fit_on_batch(
                 least_peak_bytes=other,
             )
     if plan is None:
-        plan = fit(model, loss_fn, planned_budget, **plan_options)
+        plan = fit(model, loss_fn, planned_budget, **as_groups(plan_options))
         budget_bytes = int(plan.budget_bytes or plan.baseline_peak_bytes) + other
     else:
         _apply_ready(model, plan, plan_options.get("accumulation_steps"))

@@ -1,4 +1,4 @@
-"""PEFT LoRA on the small transformers models of :mod:`gradckpt.integrations.hf_zoo`.
+"""PEFT LoRA on the small transformers models of :mod:`gradckpt.integrations.hf.zoo`.
 
 ``peft.get_peft_model(base, LoraConfig(...))`` needs nothing from gradckpt: the
 base's decoder layers are still the blocks (PEFT swaps the targeted linears for
@@ -22,7 +22,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.profiling.units import find_blocks
 from gradckpt.testing import Example
 

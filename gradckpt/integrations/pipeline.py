@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradckpt.api_budget import training_step
+from gradckpt.api.budget import training_step
 from gradckpt.apply.apply import apply
 from gradckpt.integrations.pipeline_cost import StageCost, StageParts, stage_cost
 from gradckpt.integrations.pipeline_report import (

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.measure.allocator import AllocatorTracker, foreign_profiler_running
 
 __all__ = ["StepsMeasurement"]
@@ -39,7 +39,7 @@ class StepsMeasurement:
     open across the trainer's loop (forward, backward, ``optimizer.step()``,
     ``zero_grad``). The figure is its peak above entry plus the level at entry:
     on CUDA ``memory_allocated`` (so ``max_memory_allocated`` over the steps), on
-    CPU :func:`gradckpt.api_budget.resident_bytes`. On CPU the tracker runs torch's profiler with memory events only,
+    CPU :func:`gradckpt.api.budget.resident_bytes`. On CPU the tracker runs torch's profiler with memory events only,
     nesting with gradckpt's own sessions (a tracker around the whole training
     sees through it); while it is open another ``torch.profiler`` cannot start,
     and what is written to the process's stderr is held until it ends. A

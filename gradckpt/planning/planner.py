@@ -28,7 +28,7 @@ from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solve import solve
-from gradckpt.planning.solving.budget import parse_budget
+from gradckpt.planning.solving.budget import Budget
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
 from gradckpt.planning.solving.dp import ChainDP
 from gradckpt.planning.solving.solvers import (
@@ -119,12 +119,13 @@ class Planner:
         # collection they would still be held while the steps after it run.
         gc.collect()
 
-    def budget_bytes(self, budget: int | float | str) -> int:
-        """``budget`` (bytes, a string with units or a fraction of the plain peak) in bytes."""
-        return parse_budget(budget, self.profile.measured_peak_bytes)
+    def budget_bytes(self, budget: int | float | str | Budget) -> int:
+        """``budget`` (bytes, a string with units, a fraction of the plain peak, or a
+        :class:`~gradckpt.planning.solving.budget.Budget` read already) in bytes."""
+        return Budget.read(budget).bytes_for(self.profile.measured_peak_bytes)
 
     def plan(
-        self, budget: int | float | str, solver: str | Solver = "dp", *,
+        self, budget: int | float | str | Budget, solver: str | Solver = "dp", *,
         offload: OffloadOptions | None = None,
     ) -> Plan:  # fmt: skip
         """The plan ``solver`` makes for ``budget``, predicted and checked against it.
@@ -237,7 +238,7 @@ class Planner:
         return pareto
 
     def explain(
-        self, budget: int | float | str | None = None, plan: Plan | None = None
+        self, budget: int | float | str | Budget | None = None, plan: Plan | None = None
     ) -> Explanation:
         """What the step keeps for backward under ``plan``, or the plan for ``budget``,
         or (neither) the plain step; see :mod:`gradckpt.planning.explaining.explain`.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradckpt.replan import default_loss_from
+from gradckpt.api.model_calls import default_loss_from
 
 __all__ = ["MakeLoss", "sliced_loss"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from gradckpt.api_budget import (
+from gradckpt.api.budget import (
     PLAIN_MARGIN,
     annotated,
     check_step_arguments,

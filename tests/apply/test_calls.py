@@ -187,7 +187,7 @@ def test_two_model_calls_per_step_plan_as_one_step():
     gradckpt.remove(model)
     # fit's plan of the whole step holds its budget at the allocator, gradients exact
     # (up to the order of sums when it chunks the second call's head and its loss).
-    plan = gradckpt.fit(model, loss_fn, 0.6, profile=prof)
+    plan = gradckpt.fit(model, loss_fn, 0.6, profiling=gradckpt.ProfileOptions(profile=prof))
     peak, grads, _ = _step(model, loss_fn)
     assert _close(grads, plain_grads, plan)
     assert peak <= plan.budget_bytes
@@ -212,7 +212,7 @@ def test_albert_fits_six_tenths_of_plain_and_holds_it():
     prof = gradckpt.profile(model, loss_fn, repeats=1)
     shared = [u.path for u in prof.units if u.is_block]
     assert shared == [f"albert.encoder.albert_layer_groups.0#{k}" for k in range(4)]
-    plan = gradckpt.fit(model, loss_fn, 0.6, profile=prof)
+    plan = gradckpt.fit(model, loss_fn, 0.6, profiling=gradckpt.ProfileOptions(profile=prof))
     for _ in range(2):
         peak, grads, _ = _step(model, loss_fn)
         assert _same(grads, plain_grads)

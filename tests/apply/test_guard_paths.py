@@ -71,8 +71,7 @@ def _profile(form: str):
 def _fit(form: str = "dict", **options):
     model = DictModel()
     plan = gradckpt.fit(
-        model, _step(model, 256, form), BUDGET, loss_from=_loss_from, profile=_profile(form),
-        **options,
+        model, _step(model, 256, form), BUDGET, shapes=gradckpt.ShapeOptions(loss_from=_loss_from), profiling=gradckpt.ProfileOptions(profile=_profile(form)), **options,
     )  # fmt: skip
     return model, plan
 
@@ -128,7 +127,7 @@ def _partial_step(model, depth, options=None):
 
 def test_a_plain_argument_that_changes_memory_is_a_new_shape(peak_and_grads):
     model = Partial()
-    gradckpt.fit(model, _partial_step(model, 1), "64MiB", on_new_shape="error")
+    gradckpt.fit(model, _partial_step(model, 1), "64MiB", shapes=gradckpt.ShapeOptions(on_new_shape="error"))
     peak_and_grads(model, _partial_step(model, 1))
     with pytest.raises(gradckpt.ShapeError, match="3"):  # before: ran unchecked
         peak_and_grads(model, _partial_step(model, 3))
@@ -196,7 +195,7 @@ def test_a_pickled_copy_keeps_plans_and_budget_and_warns_once_per_new_shape(copi
 def _mlp_and_plan():
     ex = mlp(blocks=3, width=WIDTH, hidden=256, batch=256, dropout=0.1)
     step = lambda: F.cross_entropy(ex.model(_x(256)), torch.zeros(256, dtype=torch.long))  # noqa: E731
-    return ex.model, gradckpt.plan(ex.model, step, BUDGET, repeats=1)
+    return ex.model, gradckpt.plan(ex.model, step, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
 
 
 def _mlp_step(model, batch):
@@ -251,7 +250,7 @@ def test_another_plan_applied_after_fit_warns_with_its_predicted_peak(peak_and_g
     model, plan = _fit()
     gradckpt.apply(model, plan)  # fit's own plan: its guard stays (test_shapes checks it)
     assert gradckpt.shape_stats(model).policy == "replan"
-    other = gradckpt.plan(model, _step(model, 256), "64MiB", profile=_profile("dict"))
+    other = gradckpt.plan(model, _step(model, 256), "64MiB", profiling=gradckpt.ProfileOptions(profile=_profile("dict")))
     assert other != plan
     gradckpt.apply(model, other)
     peak_and_grads(model, _step(model, 256))

@@ -67,7 +67,7 @@ def _least_and_plain(model, length):
     x = _x(length)
     prof = gradckpt.profile(model, lambda: model(x).pow(2).mean(), fake=True)
     try:
-        gradckpt.plan(model, lambda: None, 1, profile=prof)
+        gradckpt.plan(model, lambda: None, 1, profiling=gradckpt.ProfileOptions(profile=prof))
     except gradckpt.BudgetError as exc:
         return exc.least_peak_bytes, prof.measured_peak_bytes
     raise AssertionError("a one-byte budget fitted")
@@ -80,8 +80,8 @@ def test_rescaling_is_refused_past_a_branch_on_the_length_and_the_budget_holds(p
     least, plain_peak = _least_and_plain(model, 2 * WINDOW)
     budget = (least + plain_peak) // 2
     x32 = _x(32)
-    gradckpt.fit(model, lambda: model(x32).pow(2).mean(), budget, loss_from=_square,
-                 measure_candidates=0, repeats=1)  # fmt: skip
+    gradckpt.fit(model, lambda: model(x32).pow(2).mean(), budget, shapes=gradckpt.ShapeOptions(loss_from=_square), profiling=gradckpt.ProfileOptions(repeats=1),
+                 measure_candidates=0)  # fmt: skip
     # 48 is profiled (the scaling is built from lengths 16..48, all inside the window);
     # 56 follows the same ops: rescaled; 128 branches: profiled, not rescaled.
     for seed, length in enumerate((48, 56, 2 * WINDOW)):
@@ -125,8 +125,7 @@ def test_user_hooks_never_see_fake_tensors_while_a_new_shape_is_planned():
         lambda m, args, out: seen_globally.append(type(out)) if m is inner else None
     )
     try:
-        gradckpt.fit(model, _step(model, 256), BUDGET, loss_from=_ce_from, measure_candidates=0,
-                     repeats=1)  # fmt: skip
+        gradckpt.fit(model, _step(model, 256), BUDGET, shapes=gradckpt.ShapeOptions(loss_from=_ce_from), profiling=gradckpt.ProfileOptions(repeats=1), measure_candidates=0)  # fmt: skip
         calls_before = len(logged)
         for batch in (384, 512):
             loss = _step(model, batch)()
@@ -154,7 +153,7 @@ def test_loss_fn_that_reads_the_loss_works_with_a_given_profile_and_no_measureme
         values.append(loss.item())  # a logged metric
         return loss
 
-    gradckpt.fit(model, loss_fn, BUDGET, profile=prof, measure_candidates=0, loss_from=_ce_from)
+    gradckpt.fit(model, loss_fn, BUDGET, profiling=gradckpt.ProfileOptions(profile=prof), shapes=gradckpt.ShapeOptions(loss_from=_ce_from), measure_candidates=0)
     assert values == []  # loss_fn never ran on fake tensors (it raised there before)
     loss_fn().backward()
     assert len(values) == 1 and values[0] > 0
@@ -168,8 +167,7 @@ def test_loss_from_that_reads_a_value_takes_the_real_route_within_the_budget():
         read.append(out.detach().abs().max().item())  # fails on fake tensors
         return _ce_from(out, x)
 
-    gradckpt.fit(model, _step(model, 256), BUDGET, loss_from=loss_from, measure_candidates=0,
-                 repeats=1)  # fmt: skip
+    gradckpt.fit(model, _step(model, 256), BUDGET, shapes=gradckpt.ShapeOptions(loss_from=loss_from), profiling=gradckpt.ProfileOptions(repeats=1), measure_candidates=0)  # fmt: skip
     model.zero_grad(set_to_none=True)
     with AllocatorTracker() as allocator:
         _step(model, 384)().backward()
@@ -186,8 +184,7 @@ def test_a_shape_no_route_can_plan_keeps_the_old_plan_with_a_warning():
             raise RuntimeError("this loss only knows batch 256")
         return _ce_from(out, x)
 
-    gradckpt.fit(model, _step(model, 256), BUDGET, loss_from=loss_from, measure_candidates=0,
-                 repeats=1)  # fmt: skip
+    gradckpt.fit(model, _step(model, 256), BUDGET, shapes=gradckpt.ShapeOptions(loss_from=loss_from), profiling=gradckpt.ProfileOptions(repeats=1), measure_candidates=0)  # fmt: skip
     old = gradckpt.applied_plan(model)
     with pytest.warns(UserWarning, match=r"could not plan the input shape .*predicted peak"):
         _step(model, 384)().backward()
@@ -218,14 +215,13 @@ def test_a_conv_model_replanned_under_fake_tensors_holds_the_budget_at_the_alloc
     (x, t), (x2, t2) = _images(32, 2), _images(side, batch)
     fake = gradckpt.profile(model, lambda: F.mse_loss(model(x2), t2), fake=True)
     try:
-        gradckpt.plan(model, lambda: None, 1, profile=fake)
+        gradckpt.plan(model, lambda: None, 1, profiling=gradckpt.ProfileOptions(profile=fake))
     except gradckpt.BudgetError as exc:
         least = exc.least_peak_bytes
     # Near the plain peak at the new shape: the plan the fake profile chooses (workspace
     # measured at 32 px and scaled) ran 1.1% (image 64) and 1.8% (batch 4) over it.
     budget = least + 4 * (fake.measured_peak_bytes - least) // 5
-    gradckpt.fit(model, lambda: F.mse_loss(model(x), t), budget, measure_candidates=0, repeats=1,
-                 loss_from=lambda out, x: F.mse_loss(out, torch.zeros_like(out)))  # fmt: skip
+    gradckpt.fit(model, lambda: F.mse_loss(model(x), t), budget, measure_candidates=0, profiling=gradckpt.ProfileOptions(repeats=1), shapes=gradckpt.ShapeOptions(loss_from=lambda out, x: F.mse_loss(out, torch.zeros_like(out))))  # fmt: skip
     # The first call at the new shape plans it (one real step inside it: counted too).
     for seed in (0, 1):
         peak, grads = peak_and_grads(model, lambda: F.mse_loss(model(x2), t2), seed)

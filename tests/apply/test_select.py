@@ -31,7 +31,7 @@ def test_candidates_fit_the_budget_and_start_with_the_planners_choice():
     ex = make("gpt", layers=4, d_model=32, heads=2, seq=16, vocab=64, batch=2)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     # 0.9: at 0.85 every other plan that fits is as lean as the choice and slower.
-    chosen = gradckpt.plan(ex.model, ex.loss_fn, 0.9, profile=prof)
+    chosen = gradckpt.plan(ex.model, ex.loss_fn, 0.9, profiling=gradckpt.ProfileOptions(profile=prof))
     found = candidate_plans(prof, chosen, 4)
     assert found[0] is chosen and 1 < len(found) <= 4
     assert len({p.items for p in found}) == len(found)
@@ -54,7 +54,7 @@ def test_candidates_fit_the_budget_and_start_with_the_planners_choice():
 def test_whole_unit_plan_keeps_or_recomputes_units_whole_and_beats_every_block():
     ex = make("gpt", layers=4, d_model=32, heads=2, seq=16, vocab=64, batch=2)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
-    every = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profile=prof, solver="every_block")
+    every = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(profile=prof), solver="every_block")
     budget = every.predicted_peak_bytes
     whole = whole_unit_plan(prof, budget)
     assert whole is not None
@@ -62,7 +62,7 @@ def test_whole_unit_plan_keeps_or_recomputes_units_whole_and_beats_every_block()
     assert whole.predicted_peak_bytes <= budget
     # The DP over keep/recompute can always fall back to every block: never predicted slower.
     assert whole.predicted_step_time <= every.predicted_step_time * (1 + 1e-9)
-    chosen = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    chosen = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     found = candidate_plans(prof, chosen, 2)
     if whole.items != chosen.items:
         assert [p.items for p in found] == [chosen.items, whole.items]
@@ -81,9 +81,9 @@ def test_fit_measures_candidates_in_a_known_number_of_steps_and_leaves_state():
     rng = torch.get_rng_state()
     prof = gradckpt.profile(model, loss_fn, repeats=1)
     calls.clear()
-    plan = gradckpt.fit(model, loss_fn, 0.7, profile=prof, measure_candidates=2)
+    plan = gradckpt.fit(model, loss_fn, 0.7, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=2)
     try:
-        count = len(candidate_plans(prof, gradckpt.plan(model, loss_fn, 0.7, profile=prof), 2))
+        count = len(candidate_plans(prof, gradckpt.plan(model, loss_fn, 0.7, profiling=gradckpt.ProfileOptions(profile=prof)), 2))
         assert len(calls) == 3 * (count + 1)  # rounds x (plain + each candidate)
         assert gradckpt.applied_plan(model) is plan
         assert plan.measured_overhead is not None
@@ -103,7 +103,7 @@ def test_fit_measures_candidates_in_a_known_number_of_steps_and_leaves_state():
 def test_measuring_is_off_with_zero_and_for_bad_counts():
     ex = make("mlp", blocks=3, width=16, hidden=32, batch=4)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
-    plan = gradckpt.fit(ex.model, ex.loss_fn, 1.0, profile=prof, measure_candidates=0)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=0)
     gradckpt.remove(ex.model)
     assert plan.measured_overhead is None
     with pytest.raises(ValueError, match="count >= 1"):

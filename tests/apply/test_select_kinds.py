@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt import api_shapes
+from gradckpt.api import fitted
 from gradckpt.apply import select
 from gradckpt.apply.select import best_of_each_kind, candidate_plans, plan_kind
 from gradckpt.planning.planner import Planner
@@ -88,9 +88,9 @@ def test_fit_measures_each_kind_and_installs_the_fastest_measured(setup, monkeyp
     monkeypatch.setattr(select, "apply", spy)
     # The kinds measured are what this test is about: the budget is the tensors' (as on a
     # GPU), so nothing is kept back for what malloc holds beside them on this CPU.
-    monkeypatch.setattr(api_shapes, "malloc_in_use", lambda: None)
+    monkeypatch.setattr(fitted, "malloc_in_use", lambda: None)
     at_allocator = replace(prof, beside_bytes=0)
-    plan = gradckpt.fit(model, ex.loss_fn, chosen.budget_bytes, profile=at_allocator)
+    plan = gradckpt.fit(model, ex.loss_fn, chosen.budget_bytes, profiling=gradckpt.ProfileOptions(profile=at_allocator))
     try:
         kinds = {plan_kind(p) for p in measured}
         assert kinds == _ALL, f"measured kinds {kinds}"

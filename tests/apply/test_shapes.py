@@ -46,7 +46,7 @@ def _profile():
 def _fit_mlp(budget=BUDGET, **options):
     model = _model()
     plan = gradckpt.fit(
-        model, _mlp_step(model, 256), budget, loss_from=_ce_from, profile=_profile(), **options
+        model, _mlp_step(model, 256), budget, shapes=gradckpt.ShapeOptions(loss_from=_ce_from), profiling=gradckpt.ProfileOptions(profile=_profile()), **options
     )
     return model, plan
 
@@ -145,7 +145,7 @@ def test_applying_fits_plan_again_keeps_its_guard_and_remove_ends_it(peak_and_gr
 def test_on_new_shape_is_validated():
     ex = mlp(blocks=2)
     with pytest.raises(ValueError, match="on_new_shape must be one of"):
-        gradckpt.fit(ex.model, ex.loss_fn, 0.8, on_new_shape="ignore")
+        gradckpt.fit(ex.model, ex.loss_fn, 0.8, shapes=gradckpt.ShapeOptions(on_new_shape="ignore"))
     assert gradckpt.applied_plan(ex.model) is None
 
 
@@ -153,9 +153,7 @@ def test_preplanned_shapes_switch_without_planning(peak_and_grads):
     model = _model()
     x384, x512 = torch.randn(384, 64), torch.randn(512, 64)
     gradckpt.fit(
-        model, _mlp_step(model, 256), BUDGET, shapes=[(x384,), x512], loss_from=_ce_from,
-        profile=_profile(),
-    )  # fmt: skip
+        model, _mlp_step(model, 256), BUDGET, shapes=gradckpt.ShapeOptions([(x384,), x512], loss_from=_ce_from), profiling=gradckpt.ProfileOptions(profile=_profile()), )  # fmt: skip
     assert gradckpt.shape_stats(model).plans == 3
     for batch in (384, 512, 256):
         peak, _ = peak_and_grads(model, _mlp_step(model, batch))
@@ -192,4 +190,4 @@ def test_step_that_never_calls_the_model_forward_is_fitted_unguarded_with_a_warn
     for k, p in model.named_parameters():
         assert torch.equal(p.grad, plain[k]), k
     with pytest.raises(ValueError, match="never called"):
-        gradckpt.plan(model, step, budget=0.8, shapes=[32])
+        gradckpt.plan(model, step, budget=0.8, shapes=gradckpt.ShapeOptions([32]))

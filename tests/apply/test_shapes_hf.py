@@ -15,7 +15,7 @@ from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.plans.planset import proves_monotone
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _example(name, longest=512, batch=2):
@@ -46,7 +46,7 @@ def _fake_profile(model, batch):
 
 def _least_peak(model, batch, prof):
     try:
-        gradckpt.plan(model, lambda: model(**batch).loss, 1, profile=prof)
+        gradckpt.plan(model, lambda: model(**batch).loss, 1, profiling=gradckpt.ProfileOptions(profile=prof))
     except gradckpt.BudgetError as exc:
         return exc.least_peak_bytes
     raise AssertionError("a one-byte budget fitted")
@@ -63,7 +63,7 @@ def test_gpt2_fit_at_128_then_384_and_512_holds_the_budget_with_plain_gradients(
     assert least_512 < plain_384.measured_peak_bytes
     budget = (least_512 + plain_384.measured_peak_bytes) // 2
 
-    fitted = gradckpt.fit(model, lambda: model(**_batch(ex, 128)).loss, budget, repeats=1)
+    fitted = gradckpt.fit(model, lambda: model(**_batch(ex, 128)).loss, budget, profiling=gradckpt.ProfileOptions(repeats=1))
     assert gradckpt.simulate(plain_384, fitted).peak_bytes > budget  # the old plan would not hold
     for seed, length in enumerate((128, 384, 512, 384)):
         peak, grads = _step(model, _batch(ex, length), seed)
@@ -88,7 +88,7 @@ def test_peak_is_monotone_in_sequence_length(name):
     for short in (17, 64, 100):
         assert proves_monotone(profiles[short], profiles[128]), short
         assert not proves_monotone(profiles[128], profiles[short])  # the check can fail
-    plan = gradckpt.plan(model, lambda: model(**_batch(ex, 128)).loss, 0.6, profile=profiles[128])
+    plan = gradckpt.plan(model, lambda: model(**_batch(ex, 128)).loss, 0.6, profiling=gradckpt.ProfileOptions(profile=profiles[128]))
     peaks = [gradckpt.simulate(profiles[n], plan).peak_bytes for n in (17, 64, 100, 128)]
     assert peaks == sorted(peaks) and peaks[-1] == plan.predicted_peak_bytes
 
@@ -99,8 +99,7 @@ def test_round_up_runs_a_shorter_sequence_under_the_longer_plan_without_planning
     long = _fake_profile(model, _batch(ex, 128))
     budget = (_least_peak(model, _batch(ex, 128), long) + long.measured_peak_bytes) // 2
     gradckpt.fit(
-        model, lambda: model(**_batch(ex, 64)).loss, budget, shapes=[128], round_up=True, repeats=1
-    )
+        model, lambda: model(**_batch(ex, 64)).loss, budget, shapes=gradckpt.ShapeOptions([128], round_up=True), profiling=gradckpt.ProfileOptions(repeats=1),    )
     plans = gradckpt.shape_stats(model).plans
     long_plan_peak = None
     for length in (128, 100, 64, 17):

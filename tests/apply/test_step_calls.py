@@ -108,11 +108,11 @@ def test_a_later_call_off_its_plan_never_switches_plans_inside_the_step():
 
 def test_shapes_of_a_two_call_step_take_one_entry_per_call():
     model = _gpt()
-    plans = gradckpt.plan(model, _two_calls(model), 0.7, shapes=[[16, 40]])
+    plans = gradckpt.plan(model, _two_calls(model), 0.7, shapes=gradckpt.ShapeOptions([[16, 40]]))
     keys = [k.describe() for k, _ in plans]
     assert "(8,16):int64 then (8,40):int64" in keys
     with pytest.raises(TypeError, match="one per call"):
-        gradckpt.plan(model, _two_calls(model), 0.7, shapes=[16])
+        gradckpt.plan(model, _two_calls(model), 0.7, shapes=gradckpt.ShapeOptions([16]))
 
 
 @pytest.mark.parametrize("item", [{"idx": 3}, (1, 2)], ids=["dict", "tuple"])
@@ -125,7 +125,7 @@ def test_a_shapes_item_without_a_tensor_is_refused_before_profiling(item):
         return _two_calls(model)()
 
     with pytest.raises(ValueError, match="holds no tensor"):
-        gradckpt.fit(model, loss_fn, 0.7, shapes=[item])
+        gradckpt.fit(model, loss_fn, 0.7, shapes=gradckpt.ShapeOptions([item]))
     assert runs == []
 
 
@@ -142,7 +142,7 @@ def test_fit_from_the_models_forward_pre_hook_holds_the_budget_on_the_call_that_
 
     def plan_on_first_call(module, args):
         handle.remove()
-        made.append(gradckpt.fit(ex.model, ex.loss_fn, budget, solver="sqrt", profile=prof,
+        made.append(gradckpt.fit(ex.model, ex.loss_fn, budget, solver="sqrt", profiling=gradckpt.ProfileOptions(profile=prof),
                                  measure_candidates=0))  # fmt: skip
 
     handle = ex.model.register_forward_pre_hook(plan_on_first_call)

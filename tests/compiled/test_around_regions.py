@@ -237,6 +237,6 @@ def test_compile_model_without_a_plan_compiles_the_model(loss_and_grads, assert_
 
 def test_compile_model_rejects_unknown_units():
     ex = make("mlp", blocks=2, width=16, hidden=32, batch=4)
-    gradckpt.fit(ex.model, ex.loss_fn, 1.0, repeats=1)
+    gradckpt.fit(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(repeats=1))
     with pytest.raises(ValueError, match="not units"):
         compile_model(ex.model, units=["nowhere"], backend="aot_eager")

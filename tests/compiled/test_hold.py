@@ -69,7 +69,7 @@ def test_fit_compile_holds_a_budget_the_eager_plan_misses_once_compiled(
     ex = make("gpt", **GPT)
     prof = _timed_by_flops(gradckpt.profile(ex.model, ex.loss_fn, repeats=1))
     # The defect: fit's first plan (same profile, same solver) fits eagerly, not compiled.
-    eager = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGET, profile=prof)
+    eager = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGET, profiling=gradckpt.ProfileOptions(profile=prof))
     gradckpt.apply(ex.model, eager)
     gradckpt.compile(ex.model, ex.loss_fn, backend=BACKEND)
     missed = _compiled_peak(ex)
@@ -79,7 +79,7 @@ def test_fit_compile_holds_a_budget_the_eager_plan_misses_once_compiled(
     torch._dynamo.reset()
 
     plan = gradckpt.fit(
-        ex.model, ex.loss_fn, budget=BUDGET, profile=prof, measure_candidates=0,
+        ex.model, ex.loss_fn, budget=BUDGET, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=0,
         compile={"backend": BACKEND},
     )  # fmt: skip
     assert plan.budget_bytes == eager.budget_bytes and plan.items != eager.items
@@ -99,7 +99,7 @@ def test_fit_compile_raises_when_no_plan_holds_and_leaves_the_model_plain(loss_a
     least = gradckpt.Planner(prof).least_peak()[1].peak_bytes
     with pytest.raises(gradckpt.BudgetError, match="fit_compiled") as raised:
         gradckpt.fit(
-            ex.model, ex.loss_fn, budget=least, profile=prof, measure_candidates=0,
+            ex.model, ex.loss_fn, budget=least, profiling=gradckpt.ProfileOptions(profile=prof), measure_candidates=0,
             compile={"backend": BACKEND},
         )  # fmt: skip
     message = str(raised.value)

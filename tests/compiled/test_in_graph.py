@@ -212,7 +212,7 @@ def test_fit_compile_keeps_segments_at_a_budget_only_they_reach(loss_and_grads, 
     with pytest.raises(gradckpt.BudgetError):  # below what plans without segments reach
         unsegmented.plan(budget)
     plan = gradckpt.fit(
-        ex.model, ex.loss_fn, budget=budget, profile=prof,
+        ex.model, ex.loss_fn, budget=budget, profiling=gradckpt.ProfileOptions(profile=prof),
         measure_candidates=0, compile={"backend": "aot_eager"},
     )  # fmt: skip
     assert any(isinstance(i, Segment) for i in plan.items) and compiled_plan(ex.model) == plan

@@ -84,7 +84,7 @@ def test_fit_compile_reports_recompiles_in_shape_stats():
     ex = make("gpt", **GPT)
     gradckpt.fit(
         ex.model, _loss_at(ex, 32), budget=0.85, compile={"backend": "aot_eager", "dynamic": False},
-        measure_candidates=0, repeats=1,
+        measure_candidates=0, profiling=gradckpt.ProfileOptions(repeats=1),
     )  # fmt: skip
     _steps(ex, [32, 32])
     assert gradckpt.shape_stats(ex.model).recompiles == 0

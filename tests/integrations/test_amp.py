@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.integrations import hf
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import Plan, UnitChoice
 from gradckpt.profiling import model_fingerprint
 
@@ -88,7 +88,7 @@ def test_fit_under_autocast_matches_the_plain_autocast_run(name):
     assert plain.loss.dtype == torch.float32 and all(
         g.dtype == torch.float32 for g in plain.grads.values()
     )
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     step = run_step(ex)
     gradckpt.remove(ex.model)
     # Something inside the blocks is checkpointed: a block unit that is not kept,

@@ -21,10 +21,10 @@ pytest.importorskip("accelerate")
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import gradckpt
-from gradckpt.api_budget import resident_bytes
+from gradckpt.api.budget import resident_bytes
 from gradckpt.integrations.first_batch import torch_optimizer
 from gradckpt.integrations.hf import BudgetCallback
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.plans.plan import Segment
 

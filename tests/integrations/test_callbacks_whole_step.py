@@ -26,7 +26,7 @@ from transformers import Trainer, TrainingArguments
 
 import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.measure import AllocatorTracker, format_bytes, state_bytes
 
 from .conftest import TokenData

@@ -17,7 +17,7 @@ pytest.importorskip("diffusers")
 import gradckpt
 from gradckpt.integrations.diffusers_unet import unet_blocks
 from gradckpt.integrations.diffusers_zoo import unet_example
-from gradckpt.integrations.hf_zoo import run_step
+from gradckpt.integrations.hf.zoo import run_step
 from gradckpt.profiling.units import find_blocks
 
 BUDGET = 0.7
@@ -56,7 +56,7 @@ def test_blocks_are_the_resnets_attentions_and_samplers_of_every_down_mid_up_blo
 def test_fit_holds_the_budget_with_exact_gradients(name):
     ex = unet_example(name, **SIZES[name])
     plain = run_step(ex)
-    plan = gradckpt.fit(ex.model, ex.loss_fn, BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     assert any(u.mode != "keep" for u in plan.units) or any(
         isinstance(i, gradckpt.Segment) for i in plan.items
     )

@@ -260,7 +260,7 @@ def test_rank_profile_moves_only_the_parameter_bytes():
     assert per_rank.param_bytes == memory.param_bytes
     shift = memory.param_bytes - prof.param_bytes
     assert per_rank.measured_peak_bytes == prof.measured_peak_bytes + shift
-    plan = gradckpt.plan(ex.model, ex.loss_fn, 0.7, profile=prof)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, 0.7, profiling=gradckpt.ProfileOptions(profile=prof))
     assert gradckpt.simulate(per_rank, plan).peak_bytes == (
         gradckpt.simulate(prof, plan).peak_bytes + shift
     )
@@ -269,19 +269,19 @@ def test_rank_profile_moves_only_the_parameter_bytes():
 def test_segments_false_makes_segment_free_plans_and_refuses_sqrt():
     ex = make("mlp", blocks=8, width=32, hidden=128, batch=1024)  # activations dominate
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
-    every_block = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profile=prof, solver="every_block")
+    every_block = gradckpt.plan(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(profile=prof), solver="every_block")
     below = (every_block.predicted_peak_bytes * 19) // 20  # only segments reach below it
-    with_segments = gradckpt.plan(ex.model, ex.loss_fn, below, profile=prof)
+    with_segments = gradckpt.plan(ex.model, ex.loss_fn, below, profiling=gradckpt.ProfileOptions(profile=prof))
     assert any(isinstance(item, Segment) for item in with_segments.items)
     with pytest.raises(gradckpt.BudgetError):  # refused, not silently segmented
-        gradckpt.plan(ex.model, ex.loss_fn, below, profile=prof, segments=False)
+        gradckpt.plan(ex.model, ex.loss_fn, below, profiling=gradckpt.ProfileOptions(profile=prof), segments=False)
     for share in (1.0, 1.2):
         budget = int(every_block.predicted_peak_bytes * share)
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, segments=False)
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), segments=False)
         assert not any(isinstance(item, Segment) for item in plan.items)
         assert plan.predicted_peak_bytes <= budget
     with pytest.raises(ValueError, match="segments=False"):
-        gradckpt.plan(ex.model, ex.loss_fn, 1.0, profile=prof, solver="sqrt", segments=False)
+        gradckpt.plan(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(profile=prof), solver="sqrt", segments=False)
 
 
 if __name__ == "__main__":

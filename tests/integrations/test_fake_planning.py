@@ -37,7 +37,7 @@ def test_fake_prediction_matches_the_real_step_within_5_percent():
         abs(fake.measured_peak_bytes - real.measured_peak_bytes) <= 0.05 * real.measured_peak_bytes
     )
     for fraction in (0.75, 0.9):
-        plan = gradckpt.plan(model, loss_fn, fraction, profile=fake)
+        plan = gradckpt.plan(model, loss_fn, fraction, profiling=gradckpt.ProfileOptions(profile=fake))
         gradckpt.apply(model, plan)
         try:
             with MemoryTracker(model) as tracker:
@@ -62,7 +62,7 @@ def test_llama_8b_shape_is_planned_without_allocating_it():
     prof = gradckpt.profile(model, loss_fn, fake=True)
     assert prof.fake and len(prof.blocks) == 32
     assert prof.param_bytes > 28 * 2**30 and prof.measured_peak_bytes > prof.param_bytes
-    plan = gradckpt.plan(model, loss_fn, "60GiB", profile=prof)
+    plan = gradckpt.plan(model, loss_fn, "60GiB", profiling=gradckpt.ProfileOptions(profile=prof))
     assert plan.predicted_peak_bytes <= 60 * 2**30
     kept = [u for u in plan.units if u.mode == "selective"]
     assert all(u.save_ops for u in kept)

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.integrations import hf
-from gradckpt.integrations.hf_zoo import HF_MODELS, hf_example, run_step
+from gradckpt.integrations.hf.zoo import HF_MODELS, hf_example, run_step
 from gradckpt.planning import Plan, Segment, UnitChoice, simulate
 from gradckpt.profiling import model_fingerprint
 
@@ -161,7 +161,7 @@ def test_fit_matches_the_plain_run_within_budget(name):
     plain = run_step(ex)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the use_cache message is tested below
-        plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS[name], repeats=1)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS[name], profiling=gradckpt.ProfileOptions(repeats=1))
     # A block is checkpointed in its own region or inside a segment (fit may keep
     # a measured-faster candidate that uses one).
     in_segments = {p for i in plan.items if isinstance(i, Segment) for p in i.paths}
@@ -211,8 +211,8 @@ def test_fit_turns_the_cache_off_with_one_message(hf_log):
     assert ex.model.config.use_cache is True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], repeats=1)
-        gradckpt.fit(ex.model, ex.loss_fn, budget=0.9, repeats=1)  # again: nothing new to say
+        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], profiling=gradckpt.ProfileOptions(repeats=1))
+        gradckpt.fit(ex.model, ex.loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(repeats=1))  # again: nothing new to say
         out = ex.model(**ex.inputs)
         out.loss.backward()
     said = _gradckpt_warnings(caught)
@@ -238,7 +238,7 @@ def test_recompute_with_the_cache_on_would_grow_it():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # Every layer recomputed, whatever the planner would prefer on this machine's timings.
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0, repeats=1, solver="every_block")
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget=1.0, profiling=gradckpt.ProfileOptions(repeats=1), solver="every_block")
     assert ex.model.config.use_cache is True  # plan() leaves the model as found
     gradckpt.apply(ex.model, plan)
     out = ex.model(**ex.inputs)
@@ -256,8 +256,8 @@ def test_plan_restores_the_cache_and_says_so_once():
     ex = _example("llama")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gradckpt.plan(ex.model, ex.loss_fn, budget=0.9, repeats=1)
-        gradckpt.plan(ex.model, ex.loss_fn, budget=0.95, repeats=1)
+        gradckpt.plan(ex.model, ex.loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(repeats=1))
+        gradckpt.plan(ex.model, ex.loss_fn, budget=0.95, profiling=gradckpt.ProfileOptions(repeats=1))
     said = _gradckpt_warnings(caught)
     assert len(said) == 1 and "disable_cache" in said[0], said
     assert ex.model.config.use_cache is True
@@ -266,7 +266,7 @@ def test_plan_restores_the_cache_and_says_so_once():
 def test_failed_fit_leaves_the_model_as_found():
     ex = _example("t5")
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.fit(ex.model, ex.loss_fn, budget=0.05, repeats=1)
+        gradckpt.fit(ex.model, ex.loss_fn, budget=0.05, profiling=gradckpt.ProfileOptions(repeats=1))
     assert ex.model.config.use_cache is True and gradckpt.applied_plan(ex.model) is None
 
 
@@ -278,7 +278,7 @@ def test_t5_decoder_reads_its_own_config_copy():
     assert ex.model(**ex.inputs).cache is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["t5"], repeats=1)
+        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["t5"], profiling=gradckpt.ProfileOptions(repeats=1))
     assert ex.model(**ex.inputs).cache is None
     gradckpt.remove(ex.model)
 
@@ -287,7 +287,7 @@ def test_encoder_only_model_is_fitted_without_a_cache_message():
     ex = _example("bert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["bert"], repeats=1)
+        gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["bert"], profiling=gradckpt.ProfileOptions(repeats=1))
     assert _gradckpt_warnings(caught) == []
     gradckpt.remove(ex.model)
 
@@ -299,7 +299,7 @@ def test_fit_replaces_transformers_own_checkpointing(hf_log):
     assert _hf_checkpointing(ex.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["llama"], repeats=1)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGETS["llama"], profiling=gradckpt.ProfileOptions(repeats=1))
     said = _gradckpt_warnings(caught)
     assert len(said) == 1 and "own activation checkpointing off" in said[0], said
     assert not _hf_checkpointing(ex.model)
@@ -359,7 +359,7 @@ def test_enable_rejects_what_it_cannot_do():
     with pytest.raises(TypeError, match="not a transformers"):
         hf.enable(torch.nn.Linear(2, 2))
     hf.disable_cache(ex.model)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], repeats=1)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=BUDGETS["gpt2"], profiling=gradckpt.ProfileOptions(repeats=1))
     gradckpt.apply(ex.model, plan)
     with pytest.raises(ValueError, match=r"gradckpt\.remove"):
         hf.enable(ex.model)

@@ -17,7 +17,7 @@ from gradckpt.measure import AllocatorTracker, state_bytes
 
 pytest.importorskip("transformers")
 
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.integrations.peft_zoo import lora_example
 
 SIZES = dict(layers=2, hidden=64, heads=4, seq=128, batch=2, vocab=32000)
@@ -50,7 +50,7 @@ def test_a_causal_lm_called_with_labels_fits_below_the_loss_floor(name, one_thre
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     _, floor = gradckpt.Planner(prof, chunking=False).least_peak()
     budget = int(0.85 * floor.peak_bytes)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     chunked = [u for u in plan.units if u.mode == "chunk"]
     assert len(chunked) == 1 and chunked[0].path.endswith("lm_head")
     gradckpt.apply(ex.model, plan)

@@ -10,13 +10,13 @@ import pytest
 import gradckpt
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _fit(ex):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return gradckpt.fit(ex.model, ex.loss_fn, budget=0.9, repeats=1)
+        return gradckpt.fit(ex.model, ex.loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(repeats=1))
 
 
 def _cache_settings(model):
@@ -47,7 +47,7 @@ def test_a_second_fit_keeps_the_cache_off_and_one_remove_restores_it():
     _fit(ex)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gradckpt.fit(ex.model, ex.loss_fn, budget=0.95, repeats=1)
+        gradckpt.fit(ex.model, ex.loss_fn, budget=0.95, profiling=gradckpt.ProfileOptions(repeats=1))
     assert _cache(ex.model(**ex.inputs)) is None
     gradckpt.remove(ex.model)
     assert _cache(ex.model(**ex.inputs)) is not None

@@ -21,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 import gradckpt
 from gradckpt.integrations import hf
 from gradckpt.integrations.hf import BudgetCallback, tune_training_args
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 from gradckpt.measure import AllocatorTracker, state_bytes
 
 from .conftest import TokenData

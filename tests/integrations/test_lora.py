@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import gradckpt
 from gradckpt.integrations import hf
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import Plan, Segment, UnitChoice, iter_units
 from gradckpt.profiling import model_fingerprint
 
@@ -147,7 +147,7 @@ def test_gradckpt_checkpoint_per_layer(lora):
 
 def test_fitted_plan(lora):
     ex, plain = lora
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget=BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     step = run_step(ex)
     gradckpt.remove(ex.model)
     # A block is checkpointed: recomputed or selective, or inside a segment

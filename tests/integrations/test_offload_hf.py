@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.offload.runtime import OffloadRuntime
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import Plan, UnitChoice, simulate
 from gradckpt.planning.plans.offload_options import OffloadOptions
 
@@ -64,7 +64,7 @@ def test_hf_fit_with_offload_holds_the_budget(name):
     plain = run_step(ex)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     budget = int(0.85 * prof.measured_peak_bytes)
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof, offload=OPTIONS,
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS,
                         measure_candidates=0)  # fmt: skip
     try:
         step = run_step(ex)

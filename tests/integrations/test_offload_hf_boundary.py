@@ -18,7 +18,7 @@ import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.decisions import RecomputeOffload
 from gradckpt.engine.offload.runtime import OffloadRuntime
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import simulate
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.plans.offload_options import OffloadOptions
@@ -68,8 +68,8 @@ def test_without_segments_the_plan_fits_below_the_recompute_only_floor(narrow):
     assert floor.peak_bytes < without.peak_bytes
     budget = (floor.peak_bytes + without.peak_bytes) // 2
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, segments=False)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, segments=False,
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), segments=False)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), segments=False,
                          offload=OPTIONS)  # fmt: skip
     assert plan.predicted_peak_bytes <= budget
     _check(ex, prof, plan, plain, budget)
@@ -79,8 +79,8 @@ def test_near_the_floor_moving_boundaries_is_faster_and_fits(narrow):
     ex, prof, plain = narrow
     _, least = least_peak_plan(prof)
     budget = int(1.02 * least.peak_bytes)
-    recompute = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=OPTIONS)
+    recompute = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS)
     assert plan.predicted_step_time < recompute.predicted_step_time
     _check(ex, prof, plan, plain, budget)
 
@@ -89,6 +89,6 @@ def test_below_both_floors_the_error_names_both(narrow):
     ex, prof, _ = narrow
     _, floor = least_peak_offload(prof, OPTIONS)
     with pytest.raises(gradckpt.BudgetError, match="With offload within the host budget") as e:
-        gradckpt.plan(ex.model, ex.loss_fn, int(0.9 * floor.peak_bytes), profile=prof,
+        gradckpt.plan(ex.model, ex.loss_fn, int(0.9 * floor.peak_bytes), profiling=gradckpt.ProfileOptions(profile=prof),
                       offload=OPTIONS)  # fmt: skip
     assert e.value.least_peak_bytes == floor.peak_bytes

@@ -19,7 +19,7 @@ import gradckpt
 from gradckpt.apply.apply import applied_units
 from gradckpt.engine.decisions import Offload
 from gradckpt.engine.offload.runtime import OffloadRuntime
-from gradckpt.integrations.hf_zoo import hf_example, run_step
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.planning import simulate
 from gradckpt.planning.solving.solvers import least_peak_plan
 
@@ -48,14 +48,14 @@ def planned(model):
     ex, prof, _ = model
     _, without = least_peak_plan(prof)
     budget = int(0.9 * without.peak_bytes)
-    return budget, gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=True)
+    return budget, gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=True)
 
 
 def test_offload_fits_at_nine_tenths_of_the_recompute_only_floor(model, planned):
     ex, prof, plain = model
     budget, plan = planned
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     assert plan.offload is not None and plan.offload.stream
     assert any(isinstance(u.decision, Offload) for u in plan.units)
     predicted = simulate(prof, plan)
@@ -115,8 +115,8 @@ def test_a_host_budget_the_streamed_plan_needs_is_held_and_a_smaller_one_refuses
     budget, plan = planned
     needs = simulate(prof, plan).host_bytes
     roomy = gradckpt.OffloadOptions(host_budget=needs)
-    held = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, offload=roomy)
+    held = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=roomy)
     assert held.offload.stream and simulate(prof, held).host_bytes <= needs
     with pytest.raises(gradckpt.BudgetError, match="within the host budget"):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof,
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof),
                       offload=gradckpt.OffloadOptions(host_budget=needs // 4))  # fmt: skip

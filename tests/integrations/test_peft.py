@@ -18,7 +18,7 @@ from transformers import Trainer, TrainingArguments
 
 import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
-from gradckpt.integrations.hf_zoo import run_step
+from gradckpt.integrations.hf.zoo import run_step
 from gradckpt.integrations.peft_zoo import adapter_names, lora_example
 from gradckpt.planning.plans.plan import iter_units
 
@@ -37,7 +37,7 @@ def test_fit_gives_adapters_their_exact_gradients_within_budget(name):
     assert sorted(plain.grads) == sorted(adapters)  # the base is frozen
     assert all(g.abs().sum() > 0 for g in plain.grads.values())  # lora_A and lora_B both learn
 
-    plan = gradckpt.fit(ex.model, ex.loss_fn, BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     # The decoder layers under PEFT's wrappers are the blocks, and some are checkpointed
     # (on their own, or inside a multi-layer segment).
     assert len(ex.block_paths) == 3

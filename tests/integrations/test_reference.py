@@ -70,7 +70,7 @@ def test_a_frozen_reference_under_no_grad_costs_nothing(dpo):
     plain_peak, plain_grads = _measure(ex.model, with_reference)
     assert plain_peak == _measure(ex.model, policy_only)[0]
 
-    plan = gradckpt.fit(ex.model, with_reference, BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, with_reference, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     peak, grads = _measure(ex.model, with_reference)
     assert peak == _measure(ex.model, policy_only)[0]  # the reference adds nothing
     assert peak <= plan.budget_bytes < plain_peak
@@ -84,7 +84,7 @@ def test_a_frozen_reference_under_no_grad_costs_nothing(dpo):
 def test_an_applied_model_as_its_own_reference_runs_plainly_under_no_grad(dpo):
     ex, _, logprob, with_reference, _ = dpo
     plain_copy = copy.deepcopy(ex.model)  # same weights, same (training) mode, no plan
-    gradckpt.fit(ex.model, with_reference, BUDGET, repeats=1)
+    gradckpt.fit(ex.model, with_reference, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
 
     def no_grad_run(model):
         torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_a_deepcopy_of_an_applied_model_runs_and_trains_its_own_weights(dpo):
     ex, _, _, with_reference, _ = dpo
     before = copy.deepcopy(ex.model)  # the weights at copy time, never planned
     plain_peak, plain_grads = _measure(before, lambda: _loss(before, ex))
-    plan = gradckpt.fit(ex.model, with_reference, BUDGET, repeats=1)
+    plan = gradckpt.fit(ex.model, with_reference, BUDGET, profiling=gradckpt.ProfileOptions(repeats=1))
     ema = copy.deepcopy(ex.model)
     with torch.no_grad():  # the trained model moves on; the copy must not follow
         for p in ex.model.parameters():

@@ -92,7 +92,7 @@ def _fit(name, **options):
     plain = copy.deepcopy(model)
     batch = _batch(FITTED)
     gradckpt.fit(
-        model, lambda: model(**batch).loss, _budget(name), profile=_profile(name),
+        model, lambda: model(**batch).loss, _budget(name), profiling=gradckpt.ProfileOptions(profile=_profile(name)),
         measure_candidates=0, **options,
     )  # fmt: skip
     return model, plain

@@ -21,7 +21,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArgu
 
 import gradckpt
 from gradckpt.integrations.hf import BudgetCallback
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 from .conftest import TokenData
 

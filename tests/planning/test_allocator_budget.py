@@ -31,13 +31,13 @@ def test_fit_holds_every_budget_at_the_allocator_on_a_conv_model():
     for share in (0.0, 0.25, 0.5, 0.75):
         budget = least + round(share * (plain - least))
         try:
-            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
         except gradckpt.BudgetError as e:
             # At the least peak: a byte budget also holds what the step and planning take
             # from malloc beside the tensors (#40); the refusal names the budget with it.
             assert share == 0.0, (share, str(e))
             budget = e.least_peak_bytes
-            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+            plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
         try:
             allocator, tracker = _allocator_peak(ex)
         finally:
@@ -55,7 +55,7 @@ def test_a_budget_between_tensor_and_allocator_peaks_needs_checkpointing():
     ex = make("unet", depth=3, base=8, image=64, batch=2)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     budget = (prof.tracker_peak_bytes + prof.measured_peak_bytes) // 2
-    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profile=prof)
+    plan = gradckpt.fit(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     try:
         allocator, _ = _allocator_peak(ex)
     finally:

@@ -25,7 +25,7 @@ def test_two_profiles_of_the_demo_model_give_the_same_plan():
         for _ in range(2):
             prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2)  # the demo's repeats
             profs.append(prof)
-            plans.append(gradckpt.plan(ex.model, ex.loss_fn, 0.5, profile=prof))
+            plans.append(gradckpt.plan(ex.model, ex.loss_fn, 0.5, profiling=gradckpt.ProfileOptions(profile=prof)))
     finally:
         torch.set_num_threads(threads)
     first, second = plans

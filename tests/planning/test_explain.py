@@ -88,7 +88,7 @@ def test_kept_bytes_shrink_by_what_the_plan_frees(name, scheme, profiled):
     if scheme == "dp":
         points = gradckpt.frontier(ex.model, ex.loss_fn, profile=prof)
         budget = (points[0].peak_bytes + prof.measured_peak_bytes) // 2  # halfway from least
-        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+        plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     else:
         make_plan = {"every_block": lambda p: every_kth_plan(p, 1), "sqrt": sqrt_plan,
                      "save_matmuls": save_matmuls_plan}[scheme]  # fmt: skip

@@ -71,7 +71,7 @@ def test_chunking_goes_below_the_loss_floor_and_the_run_holds_the_prediction(zoo
     with allow_chunking(False):
         _, floor = least_peak_plan(prof)
     budget = int(0.85 * floor.peak_bytes)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     assert _chunked(plan) and plan.predicted_peak_bytes <= budget
     gradckpt.apply(ex.model, plan)
     try:
@@ -82,7 +82,7 @@ def test_chunking_goes_below_the_loss_floor_and_the_run_holds_the_prediction(zoo
     assert abs(plan.predicted_peak_bytes - step.peak) <= 0.02 * step.peak
     assert_step_matches(plan, step, plain)
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof, chunking=False)
+        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), chunking=False)
 
 
 @pytest.mark.parametrize("chunks", [2, 16])

@@ -32,7 +32,7 @@ def _least(prof, segments=True):
 @pytest.fixture(scope="module")
 def llama_profile():
     pytest.importorskip("transformers")
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example("llama")
     return gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
@@ -64,6 +64,6 @@ def test_least_peak_as_written_in_the_message_works_as_a_budget(zoo, name):
     error = _least(prof)
     written = re.search(r"least peak[^0-9]*([0-9][0-9,.]* ?[KMG]?i?B)", str(error)).group(1)
     budget = written.replace(",", "")
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profile=prof)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
     # The message rounds up: a plan between the least peak and that is as good an answer.
     assert plan.predicted_peak_bytes <= parse_budget(budget, prof.measured_peak_bytes)

@@ -154,6 +154,6 @@ def test_where_the_loss_sets_the_floor_offload_cannot_reach_nine_tenths(zoo, no_
     assert with_offload.peak_bytes > budget
     with pytest.raises(BudgetError, match="code outside the blocks") as caught:
         gradckpt.plan(
-            ex.model, ex.loss_fn, budget, profile=prof, offload=OPTIONS, chunking=False
+            ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS, chunking=False
         )
     assert caught.value.least_peak_bytes == with_offload.peak_bytes

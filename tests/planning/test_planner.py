@@ -57,7 +57,7 @@ def test_planner_answers_as_the_solvers_and_the_api_do(zoo):
     budget = prof.measured_peak_bytes  # every baseline fits the plain peak
     for solver in ("dp", "every_block", "save_matmuls", "sqrt"):
         assert planner.plan(budget, solver) == solve(prof, budget, solver)
-    assert planner.plan(0.75) == gradckpt.plan(ex.model, ex.loss_fn, 0.75, profile=prof)
+    assert planner.plan(0.75) == gradckpt.plan(ex.model, ex.loss_fn, 0.75, profiling=gradckpt.ProfileOptions(profile=prof))
     assert planner.frontier() == gradckpt.frontier(ex.model, ex.loss_fn, profile=prof)
     explained = planner.explain(0.75)
     assert explained.kept_bytes == gradckpt.explain(prof, budget=0.75).kept_bytes

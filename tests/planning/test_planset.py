@@ -95,8 +95,7 @@ def test_plan_with_shapes_returns_a_set_and_apply_switches_by_shape(tmp_path):
     model = ex.model
     shapes = [(torch.zeros(384, 64),), (torch.zeros(512, 64),)]
     plans = gradckpt.plan(
-        model, _step(model, 256), "4.5MiB", shapes=shapes, loss_from=_ce, repeats=1
-    )
+        model, _step(model, 256), "4.5MiB", shapes=gradckpt.ShapeOptions(shapes, loss_from=_ce), profiling=gradckpt.ProfileOptions(repeats=1),    )
     assert isinstance(plans, PlanSet) and len(plans) == 3
     assert {p.budget_bytes for _, p in plans} == {int(4.5 * 2**20)}
     assert all(p.predicted_peak_bytes <= p.budget_bytes for _, p in plans)
@@ -119,13 +118,12 @@ def test_plan_with_infeasible_shape_names_it():
     ex = mlp(blocks=3, width=64, hidden=256, batch=256)
     with pytest.raises(gradckpt.BudgetError, match=r"at input shape \(16384,64\)"):
         gradckpt.plan(
-            ex.model, _step(ex.model, 256), "4.5MiB", shapes=[(torch.zeros(16384, 64),)],
-            loss_from=_ce, repeats=1,
-        )  # fmt: skip
+            ex.model, _step(ex.model, 256), "4.5MiB", shapes=gradckpt.ShapeOptions([(torch.zeros(16384, 64),)], loss_from=_ce), profiling=gradckpt.ProfileOptions(repeats=1),
+            )  # fmt: skip
 
 
 def test_sequence_lengths_resize_the_fitted_inputs():
-    from gradckpt.replan import Call, calls_for
+    from gradckpt.api.model_calls import Call, calls_for
 
     ids = torch.arange(6).reshape(1, 6)
     fitted = Call((), {"input_ids": ids, "labels": ids, "scale": 2.0}, _key(1, 6))

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import gradckpt
+from gradckpt.api.model_calls import length_of
 from gradckpt.planning.plans.planset import shape_key
 from gradckpt.planning.solving.rescale import fit_length_scaling
-from gradckpt.replan import length_of
 
 pytest.importorskip("transformers")
-from gradckpt.integrations.hf_zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example
 
 
 def _unused_loss():  # plan(profile=...) plans from the profile; the loss is not run
@@ -46,10 +46,10 @@ def test_rescaled_profile_equals_the_fake_profile_at_unseen_lengths(name):
         assert scaled.measured_peak_bytes == real.measured_peak_bytes
         assert scaled.step_time == pytest.approx(real.step_time, rel=1e-9)
         try:
-            gradckpt.plan(model, _unused_loss, 1, profile=scaled)
+            gradckpt.plan(model, _unused_loss, 1, profiling=gradckpt.ProfileOptions(profile=scaled))
         except gradckpt.BudgetError as exc:  # halfway between the least and the plain peak
             budget = (exc.least_peak_bytes + real.measured_peak_bytes) // 2
-        plan = gradckpt.plan(model, _unused_loss, budget, profile=scaled)
+        plan = gradckpt.plan(model, _unused_loss, budget, profiling=gradckpt.ProfileOptions(profile=scaled))
         assert gradckpt.simulate(real, plan).peak_bytes == plan.predicted_peak_bytes <= budget
 
 

@@ -84,7 +84,7 @@ def test_plans_name_each_call_and_round_trip(tmp_path):
     model, x = Looped(), torch.randn(64, 8)
     loss_fn = lambda: model(x).pow(2).mean()  # noqa: E731
     prof = gradckpt.profile(model, loss_fn, repeats=1)
-    plan = gradckpt.plan(model, loss_fn, budget=0.75, profile=prof)
+    plan = gradckpt.plan(model, loss_fn, budget=0.75, profiling=gradckpt.ProfileOptions(profile=prof))
     assert plan.not_planned == ()
     assert {"core#0", "core#1", "core#2"} <= {u.path for u in plan.units}
     assert {"core#0", "core#1", "core#2"} & _checkpointed(plan)
@@ -101,7 +101,7 @@ def test_an_older_profiles_unit_of_all_calls_stays_kept_and_is_named():
     merged = dataclasses.replace(prof.units[0], path="shared", call=0)
     assert not merged.plannable
     old = dataclasses.replace(prof, units=(merged, *prof.units[1:-1]))
-    plan = gradckpt.plan(model, loss_fn, budget=0.9, profile=old)
+    plan = gradckpt.plan(model, loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(profile=old))
     assert plan.not_planned == (("shared", 2),)
     assert "runs 2x per step: never checkpointed" in plan.summary()
 
@@ -142,7 +142,7 @@ def test_a_module_run_several_times_is_found_as_the_block():
 def test_a_plan_naming_some_calls_of_a_shared_module_is_refused_before_touching_it():
     model, loss_fn = _setup()
     prof = gradckpt.profile(model, loss_fn, repeats=1)
-    plan = gradckpt.plan(model, loss_fn, budget=0.9, profile=prof)
+    plan = gradckpt.plan(model, loss_fn, budget=0.9, profiling=gradckpt.ProfileOptions(profile=prof))
     items = tuple(i for i in plan.items if not (isinstance(i, UnitChoice) and i.path == "shared#1"))
     if len(items) == len(plan.items):  # shared#1 sits in a segment: keep every unit, drop it
         items = tuple(UnitChoice(u.path, KEEP) for u in plan.units if u.path != "shared#1")

@@ -114,7 +114,7 @@ def test_fit_keeps_the_training_switches(registry):
 
     register_adapter(Adapter("family", recognizes=_is_family, training=cache_off_for_good))
     model = FamilyModel()
-    gradckpt.fit(model, _step(model), 1.0, measure_candidates=0, repeats=1)
+    gradckpt.fit(model, _step(model), 1.0, measure_candidates=0, profiling=gradckpt.ProfileOptions(repeats=1))
     assert model.cache is False
     gradckpt.remove(model)
 

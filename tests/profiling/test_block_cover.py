@@ -133,7 +133,7 @@ def test_fit_at_the_every_block_peak_of_a_torchtitan_llama_holds_it_at_the_alloc
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "t5"])
 def test_hugging_face_models_keep_their_decoder_and_encoder_layers(name):
     pytest.importorskip("transformers")
-    from gradckpt.integrations.hf_zoo import hf_example
+    from gradckpt.integrations.hf.zoo import hf_example
 
     ex = hf_example(name, layers=2, hidden=32, heads=2, seq=16, batch=2, vocab=64)
     assert _settled(ex) == ex.block_paths

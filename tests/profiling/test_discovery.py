@@ -59,12 +59,12 @@ def test_regnet_least_peak_is_at_or_below_per_block_checkpointing_at_the_allocat
     assert [u.path for u in prof.blocks] == ex.block_paths and prof.blocks_note == ""
     least = gradckpt.frontier(ex.model, ex.loss_fn, profile=prof)[0].peak_bytes
     try:
-        plan = gradckpt.fit(ex.model, ex.loss_fn, least, profile=prof)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, least, profiling=gradckpt.ProfileOptions(profile=prof))
     except gradckpt.BudgetError as e:
         # A byte budget also holds what the step and planning take from malloc beside the
         # tensors (#40); the refusal names the budget with it, and its tensors' share is
         # the least peak again.
-        plan = gradckpt.fit(ex.model, ex.loss_fn, e.least_peak_bytes, profile=prof)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, e.least_peak_bytes, profiling=gradckpt.ProfileOptions(profile=prof))
     try:
         planned, grads = _allocator_step(ex)
     finally:
@@ -156,7 +156,7 @@ def test_no_blocks_found_the_budget_error_lists_the_candidates_and_blocks_arg():
     prof = profile(model, loss_fn, repeats=1)
     assert "stem (_Stem)" in prof.blocks_note and "body (_Body)" in prof.blocks_note
     with pytest.raises(gradckpt.BudgetError) as err:
-        gradckpt.plan(model, loss_fn, budget=prof.param_bytes + 1, profile=prof)
+        gradckpt.plan(model, loss_fn, budget=prof.param_bytes + 1, profiling=gradckpt.ProfileOptions(profile=prof))
     message = str(err.value)
     assert "found no repeated blocks in _NoBlocks" in message
     assert "candidates considered: stem (_Stem), body (_Body), head (Linear)" in message

@@ -52,7 +52,7 @@ def test_by_default_the_host_time_is_this_machine_s_and_the_engine_is_priced_her
 def test_a_plan_from_it_states_the_assumption_and_keeps_it_through_json(fake_cpu, tmp_path):
     ex, prof = fake_cpu
     gpu = with_estimated_times(prof, CUDA, host_op_seconds=5e-6)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=gpu.measured_peak_bytes, profile=gpu)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget=gpu.measured_peak_bytes, profiling=gradckpt.ProfileOptions(profile=gpu))
     assert plan.host_op_seconds == 5e-6
     assert "at least 5.0 us of host time per op assumed" in plan.summary()
     path = tmp_path / "plan.json"

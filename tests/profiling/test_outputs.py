@@ -124,7 +124,7 @@ def test_a_registered_dataclass_output_is_seen_and_budgets_hold_at_the_allocator
         least = gradckpt.frontier(model, loss_fn, profile=prof)[0].peak_bytes
         # Unregistered, the plan for this budget ran 8.5% over it at the allocator.
         budget = least + round(0.3 * (prof.measured_peak_bytes - least))
-        plan = gradckpt.fit(model, loss_fn, budget, profile=prof)
+        plan = gradckpt.fit(model, loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
         try:
             peak, grads = _step(model, loss_fn)
         finally:

@@ -61,7 +61,7 @@ def test_plan_leaves_outside_state_as_found():
     ex = make("mlp", blocks=3, width=16, hidden=32, batch=8)
     head, prompt, x, loss_fn, _ = _outside_world(ex)
     tensors, grads, buffers = _snapshot(head, prompt, x)
-    gradckpt.plan(ex.model, loss_fn, budget=1.0, repeats=1)
+    gradckpt.plan(ex.model, loss_fn, budget=1.0, profiling=gradckpt.ProfileOptions(repeats=1))
     _assert_unchanged(head, tensors, grads, buffers)
 
 

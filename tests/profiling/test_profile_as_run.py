@@ -88,19 +88,19 @@ def test_fit_takes_a_budget_its_plan_meets(mamba, given):
     # 4% above what the least plan takes at the allocator; the old profile
     # predicted that plan 11.7% higher and refused this budget. Without a
     # profile, a budget in bytes below the plain peak is planned from a fake
-    # profile (gradckpt.api_budget): that one predicted the same 11.7% over.
+    # profile (gradckpt.api.budget): that one predicted the same 11.7% over.
     model, loss_fn = mamba["model"], mamba["loss_fn"]
     budget = int(mamba["least_peak"] * 1.04)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            plan = gradckpt.fit(model, loss_fn, budget, profile=mamba["prof"] if given else None)
+            plan = gradckpt.fit(model, loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=mamba["prof"] if given else None))
         except gradckpt.BudgetError as e:
             # A byte budget holds what the step and planning take from malloc beside the
             # tensors (#40): on this small Mamba, its scan's graph and the profile of its
             # thousands of ops weigh as much as its tensors. The refusal names a budget.
             budget = e.least_peak_bytes
-            plan = gradckpt.fit(model, loss_fn, budget, profile=mamba["prof"] if given else None)
+            plan = gradckpt.fit(model, loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=mamba["prof"] if given else None))
         try:
             assert plan.predicted_peak_bytes <= budget
             peak, grads = _step(model, loss_fn)

@@ -1,11 +1,21 @@
-"""Budgets: bytes, strings with units, a fraction of the plain peak, or "auto" (device memory)."""
+"""Budgets: bytes, strings with units, a fraction of the plain peak, or "auto" (device memory).
+
+A verb reads the user's budget once (:meth:`Budget.read`) and hands the value
+down: the layers below take a :class:`Budget` and never parse it again.
+"""
 
 from __future__ import annotations
 
 import numbers
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["BudgetError", "check_budget", "parse_budget", "read_budget"]
+if TYPE_CHECKING:
+    from gradckpt.measure.device import DeviceMemory
+    from gradckpt.profiling.training_step import TrainingStep
+
+__all__ = ["Budget", "BudgetError", "check_budget", "parse_budget", "read_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -37,6 +47,48 @@ class BudgetError(ValueError):
     def __init__(self, message: str, least_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.least_peak_bytes = least_peak_bytes
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A budget read once: what the user gave, what it means, and what it came from.
+
+    ``kind`` is ``"bytes"`` (``value`` bytes), ``"fraction"`` (``value`` of the plain
+    peak) or ``"device"`` (``"auto"`` before the device is read). ``resolve`` at the
+    API makes a device budget bytes, keeping the reading (``device``: its rule and
+    headroom); ``step`` is the training step the bytes hold (optimizer, accumulation).
+
+    Example:
+        >>> Budget.read("1KiB").bytes_for(0), Budget.read(0.5).bytes_for(1000)
+        (1024, 500)
+    """
+
+    given: object
+    kind: str
+    value: float
+    device: DeviceMemory | None = None
+    step: TrainingStep | None = None
+
+    @classmethod
+    def read(cls, budget: object) -> Budget:
+        """``budget`` as the user wrote it, parsed (a :class:`Budget` is taken as it is)."""
+        if isinstance(budget, Budget):
+            return budget
+        if type(budget) is int and budget > 0:  # bytes already, as the layers pass them on
+            return cls(budget, "bytes", budget)
+        kind, value = read_budget(budget)
+        return cls(budget, kind, value)
+
+    @property
+    def is_fraction(self) -> bool:
+        """A share of the plain peak (of the tensors), not bytes of the device."""
+        return self.kind == "fraction"
+
+    def bytes_for(self, plain_peak_bytes: int) -> int:
+        """The budget in bytes, a fraction taken of ``plain_peak_bytes``."""
+        if self.kind == "device":
+            return parse_budget(self.given, plain_peak_bytes)  # raises: the device is unread
+        return int(self.value) if self.kind == "bytes" else int(self.value * plain_peak_bytes)
 
 
 def parse_budget(

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from gradckpt.planning.solving.budget import check_budget
+from gradckpt.api.options import ProfileOptions, ShapeOptions, StepOptions
+from gradckpt.planning.plans.offload_options import OffloadOptions, offload_options
+from gradckpt.planning.solving.budget import Budget
 from gradckpt.planning.solving.solvers import SOLVERS
 from gradckpt.profiling.records import Profile
 
-__all__ = ["check_arguments", "check_shapes"]
+__all__ = ["check_arguments", "check_groups", "check_shapes", "offload_for"]
 
 _UNSET: Any = object()
 
@@ -38,8 +40,9 @@ def check_arguments(
     segments: object = True,
     shapes: object = None,
     loss_from: object = None,
-) -> None:
-    """Refuse bad arguments in the user's terms, before anything is profiled."""
+) -> Budget | None:
+    """Refuse bad arguments in the user's terms, before anything is profiled; the budget
+    read (None when not given), the one time it is parsed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -47,8 +50,7 @@ def check_arguments(
             "loss_fn must be a zero-argument callable that runs one forward and returns the "
             f"loss (e.g. lambda: model(**batch).loss), got {type(loss_fn).__name__}"
         )
-    if budget is not _UNSET:
-        check_budget(budget)
+    read = Budget.read(budget) if budget is not _UNSET else None
     if blocks is not None and not callable(blocks):
         listed = isinstance(blocks, Collection) and not isinstance(blocks, str)
         if not listed or not all(isinstance(p, str) for p in blocks):
@@ -79,6 +81,7 @@ def check_arguments(
             "loss_from= takes a callable (output, *args, **kwargs) -> scalar loss, got "
             f"{type(loss_from).__name__}"
         )
+    return read
 
 
 def check_shapes(shapes: object) -> None:
@@ -125,3 +128,35 @@ def _check_shape_item(item: object, in_step: bool) -> None:
 def _has_tensor(value: object) -> bool:
     leaves, _ = tree_flatten(value)
     return any(isinstance(x, torch.Tensor) for x in leaves)
+
+
+def offload_for(offload: object, solver: object) -> OffloadOptions | None:
+    """``offload=`` checked and as options (None: off)."""
+    options = offload_options(offload)
+    if options is not None and solver != "dp":
+        raise ValueError(
+            f"offload= works with solver='dp' (the baselines only recompute); got solver={solver!r}"
+        )
+    return options
+
+
+def check_groups(
+    shapes: object, profiling: object, step: object
+) -> tuple[ShapeOptions, ProfileOptions, StepOptions]:
+    """``shapes=``, ``profiling=`` and ``step=`` as their option values (None: the defaults).
+
+    Example:
+        >>> shapes, profiling, step = check_groups(None, ProfileOptions(repeats=1), None)
+    """
+    found = []
+    for name, value, kind in (
+        ("shapes", shapes, ShapeOptions), ("profiling", profiling, ProfileOptions),
+        ("step", step, StepOptions),
+    ):  # fmt: skip
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(
+                f"{name}= takes a gradckpt.{kind.__name__}(...), got {type(value).__name__}"
+            )
+        found.append(value if value is not None else kind())
+    return found[0], found[1], found[2]
+

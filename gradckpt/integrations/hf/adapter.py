@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from gradckpt.integrations.hf_cache import (
+from gradckpt.integrations.hf.cache import (
     CACHE_WHY,
     cache_off,
     caches_turned_off_by_enable,
@@ -23,8 +23,8 @@ from gradckpt.integrations.hf_cache import (
     keep_cache_off_for_training,
     restore_cache,
 )
-from gradckpt.integrations.hf_notices import tell_once
-from gradckpt.integrations.hf_recognize import model_name
+from gradckpt.integrations.hf.notices import tell_once
+from gradckpt.integrations.hf.recognize import model_name
 
 # Transformers' own switch: modules with gradient_checkpointing=True. Planning
 # pauses it; training under a plan turns it off for good.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradckpt.integrations.hf_recognize import from_transformers
+from gradckpt.integrations.hf.recognize import from_transformers
 
 # The configs hf.enable turned the cache off on, per model, so hf.disable can put them back.
 caches_turned_off_by_enable: weakref.WeakKeyDictionary[nn.Module, list[tuple[Any, bool]]] = (

@@ -1,43 +1,13 @@
-"""Hugging Face transformers: plan a transformers model, or use its own switch with gradckpt.
+"""Transformers' own per-layer checkpointing switch, with gradckpt's checkpoint.
 
-Two ways in, both on models from ``transformers`` (optional extra ``hf``):
-
-1. **Planned**: ``gradckpt.fit(model, loss_fn, budget)`` works on a transformers
-   model as on any other. Its decoder/encoder layers (``GradientCheckpointingLayer``)
-   are the blocks; embeddings, rotary tables, final norm and head are planned
-   units too. While profiling, the KV cache is off (``use_cache=False``) and
-   transformers' own checkpointing, if on, is paused; ``fit`` leaves both off
-   for training and says so once (:func:`training`). The cache is kept off by
-   passing ``use_cache=False`` to training forwards, not by editing the config
-   (so ``save_pretrained`` writes the user's value); ``gradckpt.remove`` ends it.
-2. **The usual switch**: :func:`enable` turns on transformers' per-layer
-   checkpointing with ``gradckpt.checkpoint`` (and an optional per-op policy)
-   instead of ``torch.utils.checkpoint``; :func:`disable` undoes it.
-
-Why ``use_cache`` must be off for training: a layer recomputed in backward calls
-``cache.update`` a second time, so the KV cache grows by a second copy of every
-recomputed layer's keys and values (memory the plan did not count). Generation
-is unaffected: ``generate()`` passes ``generation_config.use_cache`` explicitly.
-
-This module does not import ``transformers``: it recognizes its classes by the
-module they come from, so ``import gradckpt`` stays light. It holds the switch;
-the rest lives beside it and is re-exported here: recognizing models
-(``hf_recognize``), the KV cache (``hf_cache``), what the adapter does around
-profiling and ``fit`` (``hf_adapter``) and the one-time messages (``hf_notices``).
+:func:`enable` turns on transformers' per-layer checkpointing with
+``gradckpt.checkpoint`` (and an optional per-op policy) instead of
+``torch.utils.checkpoint``; :func:`disable` undoes it. The package
+(:mod:`gradckpt.integrations.hf`) says how this sits beside ``gradckpt.fit``.
 
 Example:
-    >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> from gradckpt.integrations import hf
-    >>> model = GPT2LMHeadModel(GPT2Config(n_layer=4)).train()
-    >>> plan = gradckpt.fit(model, lambda: model(input_ids=ids, labels=ids).loss, budget=0.6)
-    >>> # or, keeping transformers' one-checkpoint-per-layer placement:
-    >>> hf.enable(other_model, policy=gradckpt.policies.save_matmuls)
-
-See ``examples/hf_finetune.py`` for both, with a frozen base and LoRA adapters.
-For the ``Trainer``: ``BudgetCallback(budget)`` plans its step on the first batch
-(``hf_trainer``), and ``tune_training_args(model, args, data, budget=...)`` picks
-the micro-batch and accumulation for the arguments' global batch and the plan
-with them (``hf_tune``); both import transformers, so are loaded on first use.
+    >>> hf.enable(model, policy=gradckpt.policies.save_matmuls)
 """
 
 from __future__ import annotations
@@ -49,28 +19,17 @@ from typing import Any
 
 from torch import nn
 
-from gradckpt.integrations.hf_adapter import fake_friendly, planning, training
-from gradckpt.integrations.hf_cache import (
+from gradckpt.integrations.hf.cache import (
     CACHE_WHY,
     cache_off,
     caches_turned_off_by_enable,
-    disable_cache,
     generates,
     restore_cache,
 )
-from gradckpt.integrations.hf_notices import tell_once
-from gradckpt.integrations.hf_recognize import is_hf_model, model_name
+from gradckpt.integrations.hf.notices import tell_once
+from gradckpt.integrations.hf.recognize import is_hf_model, model_name
 
-__all__ = [
-    "checkpoint_function",
-    "disable",
-    "disable_cache",
-    "enable",
-    "fake_friendly",
-    "is_hf_model",
-    "planning",
-    "training",
-]
+__all__ = ["checkpoint_function", "disable", "enable"]
 
 # Options of gradckpt.checkpoint that may ride along with the function transformers
 # calls; any other keyword would be passed on to the layer's forward.
@@ -210,15 +169,3 @@ def _setter(model: nn.Module) -> Callable[..., None]:
             "which cannot take another checkpoint function"
         )
     return setter
-
-
-def __getattr__(name: str) -> Any:  # these import transformers: load them on first use
-    if name == "BudgetCallback":
-        from gradckpt.integrations.hf_trainer import BudgetCallback
-
-        return BudgetCallback
-    if name == "tune_training_args":
-        from gradckpt.integrations.hf_tune import tune_training_args
-
-        return tune_training_args
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

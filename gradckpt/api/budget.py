@@ -46,7 +46,7 @@ from gradckpt.measure.optimizer import optimizer_memory, optimizer_state_sizes
 from gradckpt.measure.outside import held_at_most
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
-from gradckpt.planning.solving.budget import BudgetError, read_budget
+from gradckpt.planning.solving.budget import Budget, BudgetError
 from gradckpt.planning.solving.replayed import with_replayed
 from gradckpt.planning.solving.solvers import Solver
 from gradckpt.planning.solving.whole_step import check_floor, with_training_step
@@ -66,6 +66,7 @@ __all__ = [
     "plan_beside",
     "resident_bytes",
     "resolve_budget",
+    "resolved_budget",
     "training_step",
     "with_real_kernels",
 ]
@@ -106,19 +107,20 @@ def training_step(
 
 
 def budget_and_step(
-    model: nn.Module, budget: int | float | str, optimizer: Any, accumulation: int, to_none: bool
-) -> tuple[int | float | str, DeviceMemory | None, TrainingStep | None]:
-    """The budget as bytes or a fraction ("auto" read from the device), the device's
-    reading (None unless "auto") and the training step the budget holds.
+    model: nn.Module, budget: Budget, optimizer: Any, accumulation: int, to_none: bool
+) -> Budget:
+    """``budget`` (read by the verb) resolved: bytes or a fraction ("auto" read from the
+    device, its reading kept) and the training step it holds.
 
     Example:
-        >>> budget, device, step = budget_and_step(model, "auto", "adamw", 4, True)
+        >>> budget = budget_and_step(model, Budget.read("auto"), "adamw", 4, True)
+        >>> budget.value, budget.device.line(), budget.step
     """
     step = training_step(model, optimizer, accumulation, to_none)
-    budget, device = resolve_budget(model, budget, optimizer)
-    if device is not None and step is None:
+    resolved = resolved_budget(model, budget, optimizer)
+    if resolved.device is not None and step is None:
         step = TrainingStep()  # the breakdown shows the device's rule, and what is not counted
-    return budget, device, step
+    return replace(resolved, step=step)
 
 
 def held_bytes(model: nn.Module, optimizer: Any) -> int:
@@ -161,19 +163,30 @@ def resolve_budget(
         >>> resolve_budget(model, "auto")[0] > 0
         True
     """
-    kind, _ = read_budget(budget)
-    if kind != "device":
-        return budget, None
+    resolved = resolved_budget(model, Budget.read(budget), optimizer)
+    return (budget, None) if resolved.device is None else (int(resolved.value), resolved.device)
+
+
+def resolved_budget(model: nn.Module, budget: Budget, optimizer: Any = None) -> Budget:
+    """``budget`` with ``"auto"`` made the bytes of the device the model is on (logged;
+    the reading kept as ``device``); any other budget as it is.
+
+    Example:
+        >>> resolved_budget(model, Budget.read("auto")).kind
+        'bytes'
+    """
+    if budget.kind != "device":
+        return budget
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
     device = device_memory(where, held_bytes=resident_bytes(model, optimizer))
     logger.info("gradckpt: %s", device.line())
-    return device.budget_bytes, device
+    return replace(budget, kind="bytes", value=device.budget_bytes, device=device)
 
 
 def budget_profile(
     model: nn.Module,
     loss_fn: Callable[[], torch.Tensor],
-    budget: int | float | str,
+    budget: Budget,
     step: TrainingStep | None,
     *,
     blocks: BlockSpec = None,
@@ -189,7 +202,7 @@ def budget_profile(
     :func:`held_bytes`) beside it: that, not the whole step, is what must fit.
 
     Example:
-        >>> prof, fake = budget_profile(model, loss_fn, 300 << 20, None)
+        >>> prof, fake = budget_profile(model, loss_fn, Budget.read(300 << 20), None)
     """
 
     def real(room: int | None = None) -> Profile:
@@ -197,9 +210,9 @@ def budget_profile(
             prof = profile_step(model, loss_fn, blocks=blocks, repeats=repeats)
         return with_training_step(prof, step)
 
-    kind, value = read_budget(budget)
-    if kind != "bytes":
+    if budget.kind != "bytes":
         return real(), None
+    value = budget.value
     try:
         # A step that reads a value (a logged loss.item()) gets placeholders: the plan
         # made from it is checked on real steps (gradckpt.apply.frugal).
@@ -233,7 +246,7 @@ def budget_profile(
 
 def plan_beside(
     planner: Planner,
-    budget: int | float | str,
+    budget: Budget,
     budget_bytes: int,
     solver: str | Solver,
     since: int | None = None,
@@ -255,10 +268,10 @@ def plan_beside(
     chosen.
 
     Example:
-        >>> plan_beside(planner, "300MiB", 300 << 20, "dp", since).budget_bytes
+        >>> plan_beside(planner, Budget.read("300MiB"), 300 << 20, "dp", since).budget_bytes
     """
     beside = 0
-    if at_malloc and read_budget(budget)[0] != "fraction":
+    if at_malloc and not budget.is_fraction:
         if since is not None:
             gc.collect()  # garbage would read as planning's own
         now = malloc_in_use() if since is not None else None
