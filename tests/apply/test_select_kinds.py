@@ -30,22 +30,25 @@ _ALL = {"selective", "segment", "whole-unit"}
 @pytest.fixture(scope="module")
 def setup():
     ex = make("gpt", layers=4, d_model=64, heads=4, seq=128, vocab=128, batch=8, seed=0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # op times as on one core: segments then compete at this size
-    try:
-        # Two passes: with one, op times come from the pass the CPU malloc probe reads
-        # (it trims the heap and fills new blocks, so ops fault their pages in), and
-        # this search found no budget in 3 of 6 profiles, against 0 of 6 with the
-        # probe off (2026-12-03); op times are the least over passes.
-        prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2)
-    finally:
-        torch.set_num_threads(threads)
-    planner = Planner(prof)
-    for point in planner.frontier(16):  # a budget where all three kinds fit
-        chosen = planner.plan(point.peak_bytes)
-        kinds = best_of_each_kind(planner, point.peak_bytes)
-        if set(kinds) == _ALL and plan_kind(chosen) != "segment":
-            return ex, prof, chosen, kinds
+    # Whether some budget admits all three kinds depends on the measured op times: on a
+    # loaded machine (the suite on both cores) one profile in a few finds none. The tests
+    # below are about which plans are chosen and measured, not about those times: the
+    # first of up to three profiles that has such a budget is used.
+    for _ in range(3):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # op times as on one core: segments then compete at this size
+        try:
+            # Two passes: op times are the least over passes (one pass read the malloc
+            # probe's page faults, 2026-12-03).
+            prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2)
+        finally:
+            torch.set_num_threads(threads)
+        planner = Planner(prof)
+        for point in planner.frontier(16):  # a budget where all three kinds fit
+            chosen = planner.plan(point.peak_bytes)
+            kinds = best_of_each_kind(planner, point.peak_bytes)
+            if set(kinds) == _ALL and plan_kind(chosen) != "segment":
+                return ex, prof, chosen, kinds
     pytest.fail("no budget where selective, segment and whole-unit plans all fit")
 
 
