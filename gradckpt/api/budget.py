@@ -63,6 +63,7 @@ __all__ = [
     "budget_profile",
     "check_step_arguments",
     "held_bytes",
+    "holds_beside",
     "plan_beside",
     "resident_bytes",
     "resolve_budget",
@@ -244,6 +245,17 @@ def budget_profile(
     return fake, raw
 
 
+def holds_beside(budget: Budget, at_malloc: bool) -> bool:
+    """Whether ``budget`` also holds what malloc takes beside the step's tensors: a byte
+    budget counted at malloc's level does; a fraction of the plain (tensors') peak does not.
+
+    Example:
+        >>> holds_beside(Budget.read("300MiB"), at_malloc=True)
+        True
+    """
+    return at_malloc and not budget.is_fraction
+
+
 def plan_beside(
     planner: Planner,
     budget: Budget,
@@ -271,7 +283,7 @@ def plan_beside(
         >>> plan_beside(planner, Budget.read("300MiB"), 300 << 20, "dp", since).budget_bytes
     """
     beside = 0
-    if at_malloc and not budget.is_fraction:
+    if holds_beside(budget, at_malloc):
         if since is not None:
             gc.collect()  # garbage would read as planning's own
         now = malloc_in_use() if since is not None else None

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from gradckpt.api.budget import budget_profile, plan_beside
+from gradckpt.api.budget import budget_profile, holds_beside, plan_beside
 from gradckpt.api.model_calls import Call, capture_call, step_call
 from gradckpt.api.options import LossFn, PlanOptions
 from gradckpt.apply import guard as shape_guard
@@ -80,7 +80,7 @@ def plan_fitted(
         chosen = plan_beside(planner, budget, budget_bytes, options.solver, since, at_malloc)
     except BudgetError as beside_refused:
         chosen, refused = None, beside_refused
-        reserved = at_malloc and not budget.is_fraction
+        reserved = holds_beside(budget, at_malloc)
         if reserved:  # the tensors may fit where they and what is beside them do not
             try:
                 chosen = planner.plan(budget_bytes, options.solver)
