@@ -9,7 +9,8 @@ smallest candidate sizes that fit the budget plainly (``b1 < b2``):
   is taken as linear in the batch, ``T(b) = T(b1) + s * (b - b1)`` with
   ``s = max(0, (T(b2) - T(b1)) / (b2 - b1))``: a fixed cost per micro-batch
   (Python, launches, the loss) plus a cost per sample, which is what makes a
-  larger micro-batch pay or not;
+  larger micro-batch pay or not; below ``b1`` no less than ``T(b1) * b / b1``
+  (a fixed cost is not negative: two noisy times can make it so);
 * **each op**, which prices what a plan recomputes: when the ops of the
   profiles line up (same count and names), op ``i`` is linear in the batch the
   same way from its recorded times; otherwise the fake estimate. Either way
@@ -69,15 +70,21 @@ class BatchTimes:
             total = r1.step_time * b / b1
             return _summing_to(retimed(fake, lambda op: op.time), total)
         (b2, r2) = self.real[1]
-        total = r1.step_time + max(0.0, (r2.step_time - r1.step_time) / (b2 - b1)) * (b - b1)
+        total = _linear(r1.step_time, r2.step_time, b1, b2, b)
         if _names(r1) == _names(r2) == _names(fake):
 
             def time_of(op) -> float:
-                t1, t2 = r1.ops[op.index].time, r2.ops[op.index].time
-                return t1 + max(0.0, (t2 - t1) / (b2 - b1)) * (b - b1)
+                return _linear(r1.ops[op.index].time, r2.ops[op.index].time, b1, b2, b)
 
             return _summing_to(retimed(fake, time_of), total)
         return _summing_to(retimed(fake, lambda op: op.time), total)
+
+
+def _linear(t1: float, t2: float, b1: int, b2: int, b: int) -> float:
+    """``t1 + s * (b - b1)`` with ``s >= 0``; below ``b1`` at least ``t1 * b / b1`` (a
+    negative step time below the timed sizes broke the planner's tie rule)."""
+    t = t1 + max(0.0, (t2 - t1) / (b2 - b1)) * (b - b1)
+    return max(t, t1 * b / b1) if b < b1 else t
 
 
 def _summing_to(timed: Profile, total: float) -> Profile:
