@@ -254,6 +254,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"warning: {category.__name__}: {message}", flush=True)
 
 
+def _show_warning_beside_json(message, category, filename, lineno, file=None, line=None) -> None:
+    # With --json, stdout holds the document alone: a warning goes to stderr.
+    print(f"warning: {category.__name__}: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gradckpt`` command; returns the exit status (used as the console script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -297,7 +302,8 @@ def _run(args: argparse.Namespace) -> int:
     out = Out(quiet=getattr(args, "json", False))
     with warnings.catch_warnings():
         if not args.debug:
-            warnings.showwarning = _show_warning
+            json_out = getattr(args, "json", False)
+            warnings.showwarning = _show_warning_beside_json if json_out else _show_warning
         if args.command == "demo":
             from gradckpt.cli.demo import run_demo
 
