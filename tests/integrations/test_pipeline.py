@@ -203,6 +203,27 @@ def test_fsdp_inside_a_stage_counts_one_rank_s_parameters_and_plans_no_segments(
     assert not any(isinstance(item, Segment) for item in tight.plan.items)
 
 
+def test_a_stage_timed_together_prices_its_ops_at_the_rate_of_its_step():
+    import gradckpt
+    from gradckpt.integrations.pipeline import stage_loss_fn
+    from gradckpt.integrations.pipeline_timing import in_process_group, retimed_to
+    from gradckpt.planning.solving.baselines import every_kth_plan
+    from gradckpt.planning.simulation.simulate import simulate
+    from gradckpt.testing.pipelines import gpt_stages
+
+    stage = gpt_stages(WORLD, **CONFIG)[0]
+    x = _batch()[0][: BATCH // M]
+    prof = gradckpt.profile(stage, stage_loss_fn(stage, (x,)), repeats=1)
+    slow = retimed_to(prof, 1.5 * prof.step_time)
+    assert slow.step_time == pytest.approx(1.5 * prof.step_time)
+    assert [o.time for o in slow.ops] == pytest.approx([1.5 * o.time for o in prof.ops])
+    plan = every_kth_plan(prof, 1)
+    assert simulate(slow, plan).recompute_time == pytest.approx(
+        1.5 * simulate(prof, plan).recompute_time
+    )
+    assert not in_process_group()  # one process: plan_stage profiles as before
+
+
 def test_a_budget_no_plan_meets_names_the_stage_and_its_in_flight_count():
     from gradckpt.integrations.pipeline import plan_stage
     from gradckpt.planning.solving.budget import BudgetError
