@@ -85,6 +85,7 @@ from gradckpt.integrations.pipeline_report import (
 )
 from gradckpt.integrations.pipeline_schedules import in_flight, schedule_name, schedule_shape
 from gradckpt.integrations.pipeline_timing import in_process_group, retimed_to, time_together
+from gradckpt.integrations.pipeline_traced import traced_block_paths
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
@@ -207,6 +208,8 @@ def _stage_profile(
 ) -> Profile:  # fmt: skip
     prof = options.pop("profile", None)
     if prof is None:
+        if options.get("blocks") is None:  # a stage traced by pipeline(): its graph's blocks
+            options["blocks"] = traced_block_paths(module)
         prof = profile_step(module, loss_fn, **options)
         if together is None:  # ranks of one pipeline: time the stages as they run, at once
             together = in_process_group() and not prof.fake
