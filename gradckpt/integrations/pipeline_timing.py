@@ -11,8 +11,8 @@ within 8%. That was no part of the stage's work: the same profiles taken
 alone in one process agree within a few percent with the stage's forward and
 backward as ``PipelineStage`` runs them.
 
-So every rank, in lock-step (a barrier, then steps for the same stretch of wall
-time, long enough to span the scheduler's swings), times its stage's plain
+So every rank, in lock-step (lined up by a collective, then as many steps as fill
+about a second, long enough to span the scheduler's swings), times its stage's plain
 micro-batch again with gradients accumulating from the
 second step on (as the schedule accumulates them over its micro-batches), and
 the profile's op times are scaled to that time (:func:`retimed_to`): the
@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -67,8 +68,9 @@ def time_together(
     group: Any = None,
 ) -> float:
     """The median seconds of a plain micro-batch, every rank of ``group`` timing its own stage
-    for the same ``seconds`` of wall time at once; a collective: every rank calls it.
-    Gradients, buffers and RNG are as before on return.
+    at once, as many micro-batches as fill ``seconds`` on the rank that wants the fewest
+    (at least 3); a collective: every rank calls it. Gradients, buffers and RNG are as
+    before on return.
 
     Example:
         >>> time_together(stage_mod, stage_loss_fn(stage_mod, (x_mb,)))
@@ -82,15 +84,19 @@ def time_together(
     state = StepState(module)
     state.reset()
     try:
+        wall = time.perf_counter()
         loss = loss_fn()  # untimed: makes the gradients the timed steps accumulate into
         state.adopt_graph(loss)
         loss.backward()
         del loss
         sync()
-        dist.barrier(group)
+        # One count for every rank (the least wanted): a stage whose step has collectives
+        # of its own (FSDP inside it) must run as many steps as its peers.
+        wanted = math.ceil(seconds / max(time.perf_counter() - wall, 1e-6))
+        count = torch.tensor([min(max(wanted, _MIN_STEPS), _MAX_STEPS)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)  # also lines the ranks up
         times: list[float] = []
-        end = time.perf_counter() + seconds
-        while len(times) < _MIN_STEPS or (time.perf_counter() < end and len(times) < _MAX_STEPS):
+        for _ in range(int(count.item())):
             start = clock()
             loss_fn().backward()
             sync()
