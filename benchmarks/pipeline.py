@@ -258,20 +258,34 @@ def render(data: dict[str, Any]) -> str:
         plan = r["plans"][r["rank"]]
         predicted = {"per-stage": plan["time_per_microbatch"],
                      "plain": plan["plain_time_per_microbatch"]}  # fmt: skip
-        predicted.update({f"uniform {u['name']}": u["time_per_microbatch"] for u in plan["uniform"]})
+        predicted.update(
+            {f"uniform {u['name']}": u["time_per_microbatch"] for u in plan["uniform"]}
+        )
         for name in names:
             measured = sorted(r["chunk"][name])[len(r["chunk"][name]) // 2]
             if name not in predicted or measured <= 0:
                 continue
             error = predicted[name] / measured - 1
+            _, lo, hi = median_interval(r["chunk"][name])
             rows.append([r["rank"], name, plan["in_flight"], _ms(predicted[name]), _ms(measured),
-                         f"{error:+.1%}", "yes" if abs(error) <= 0.15 else "no"])  # fmt: skip
+                         f"[{lo * 1e3:.1f}, {hi * 1e3:.1f}]", f"{error:+.1%}",
+                         "yes" if abs(error) <= 0.15 else "no"])  # fmt: skip
     lines.append(markdown_table(
         ["stage", "contender", "in flight", "predicted", "measured (median, thread time in its "
-         "chunks)", "predicted / measured - 1", "within 15%"], rows))  # fmt: skip
-    lines += ["", "The plain rows show how much of the error is the profile's own op times "
-              "(measured while both ranks profiled at once) rather than the recompute priced "
-              "on top of them."]  # fmt: skip
+         "chunks)", "95% interval", "predicted / measured - 1", "within 15%"], rows))  # fmt: skip
+    lines += ["", "The plain rows show how much of the error is the stage's plain step (timed "
+              "with every rank timing its own stage at once) rather than the recompute priced "
+              "on top of it."]  # fmt: skip
+    if "load_average" in data:
+        before, after = data["load_average"]["before"], data["load_average"]["after"]
+        lines += [
+            "",
+            "Load average (1, 5, 15 min) before the run: "
+            + ", ".join(f"{v:.2f}" for v in before)
+            + "; after: "
+            + ", ".join(f"{v:.2f}" for v in after)
+            + f" ({os.cpu_count()} cores).",
+        ]
     plans = ranks[0]["plans"]
     ticks = data["config"]["microbatches"] + WORLD - 1
     predicted_step = ticks * max(p["time_per_microbatch"] for p in plans)
@@ -306,10 +320,12 @@ def main(argv: list[str] | None = None) -> None:
         data = read_results(args.from_json)
     else:
         cfg = QUICK if args.quick else FULL
+        load_before = os.getloadavg()
         ranks = _launch(cfg, args.repeats, args.warmup)
         data = {"info": machine_info(threads_per_rank=1, ranks=WORLD, rounds=args.repeats,
                                      warmup=args.warmup, quick=args.quick),
-                "config": cfg, "ranks": ranks}  # fmt: skip
+                "config": cfg, "ranks": ranks,
+                "load_average": {"before": load_before, "after": os.getloadavg()}}  # fmt: skip
     md, js = write_results(args.out, "pipeline", render(data), data)
     print(md.read_text())
     print(f"wrote {md} and {js}")

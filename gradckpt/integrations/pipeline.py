@@ -37,6 +37,12 @@ The plan chosen per stage is the fastest predicted
 one whose stage peak fits the budget, among the DP's Pareto plans and the DP's
 plans for a search over single-micro-batch budgets.
 
+**Time per micro-batch** is the stage's plain step (forward and backward of one
+micro-batch) plus what the plan recomputes, priced by the simulator. On ranks of
+one process group the plain step is timed again with every rank timing its own
+stage at once, as the schedule runs them
+(:mod:`~gradckpt.integrations.pipeline_timing`), and the op times scaled to it.
+
 **Per rank.** Every rank calls :func:`plan_stage` on its own stage (profiling only
 its own module, or under fake tensors) and :func:`gradckpt.apply` (or
 :func:`fit_stage`); :func:`~gradckpt.integrations.pipeline_report.gather_stage_plans`
@@ -63,7 +69,13 @@ from torch import nn
 
 from gradckpt.api.budget import training_step
 from gradckpt.apply.apply import apply
-from gradckpt.integrations.pipeline_cost import StageCost, StageParts, stage_cost
+from gradckpt.integrations.pipeline_cost import (
+    StageCost,
+    StageParts,
+    output_bytes,
+    stage_cost,
+    tensor_bytes,
+)
 from gradckpt.integrations.pipeline_report import (
     StagePlan,
     UniformPoint,
@@ -72,6 +84,8 @@ from gradckpt.integrations.pipeline_report import (
     summary,
 )
 from gradckpt.integrations.pipeline_schedules import in_flight, schedule_name, schedule_shape
+from gradckpt.integrations.pipeline_timing import in_process_group, retimed_to, time_together
+from gradckpt.integrations.pipeline_traced import traced_block_paths
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.plan import Plan
@@ -113,10 +127,6 @@ UNIFORM = {
 _SEARCH_STEPS = 12
 
 
-def _tensor_bytes(inputs: Sequence[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
-
-
 def stage_loss_fn(
     module: nn.Module,
     inputs: Sequence[Any],
@@ -149,21 +159,6 @@ def stage_loss_fn(
         return (out * torch.ones_like(out)).sum()  # d(sum)/d(out) = the received ones
 
     return fed
-
-
-def _output_bytes(module: nn.Module, inputs: Sequence[Any]) -> int:
-    """Bytes of the stage's output for one micro-batch, from a forward on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    if any(p.device.type == "meta" for p in module.parameters()):  # built without memory
-        meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
-        with torch.no_grad():
-            out = module(*meta)
-    else:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-            out = module(*inputs)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return _tensor_bytes(outs)
 
 
 def _choose(
@@ -209,11 +204,17 @@ def _uniform(profile: Profile, k: int, parts: StageParts) -> tuple[UniformPoint,
 
 def _stage_profile(
     module: nn.Module, loss_fn: LossFn, optimizer: Any, n_microbatches: int,
-    fsdp_world_size: int | None, options: dict[str, Any],
+    fsdp_world_size: int | None, options: dict[str, Any], together: bool | None,
 ) -> Profile:  # fmt: skip
     prof = options.pop("profile", None)
     if prof is None:
+        if options.get("blocks") is None:  # a stage traced by pipeline(): its graph's blocks
+            options["blocks"] = traced_block_paths(module)
         prof = profile_step(module, loss_fn, **options)
+        if together is None:  # ranks of one pipeline: time the stages as they run, at once
+            together = in_process_group() and not prof.fake
+        if together:
+            prof = retimed_to(prof, time_together(module, loss_fn))
     step = training_step(module, optimizer, n_microbatches, True)  # grads accumulate over M
     whole = with_training_step(prof, step)
     if fsdp_world_size is not None:
@@ -239,6 +240,7 @@ def plan_stage(
     return_outputs: bool = True,
     segments: bool = True,
     chunking: bool = False,
+    timed_together: bool | None = None,
     **profile_options: Any,
 ) -> StagePlan:
     """The least-recompute plan for one pipeline stage, its in-flight micro-batches held.
@@ -261,6 +263,10 @@ def plan_stage(
             stage then keeps every micro-batch's output until the step ends.
         segments, chunking: as for :func:`gradckpt.plan`; chunking is off by default
             (the schedule, not the stage, calls the loss).
+        timed_together: time the stage's plain micro-batch again with every rank timing
+            its own at once, and price the plan at that rate
+            (:mod:`~gradckpt.integrations.pipeline_timing`; a collective). Default: when
+            a process group of several ranks is up and the profile is measured here.
         **profile_options: ``repeats``, ``fake``, ``blocks``, ``profile`` (a profile of
             this stage's micro-batch to reuse), as for :func:`gradckpt.profile`.
 
@@ -292,13 +298,14 @@ def plan_stage(
         module, inputs, loss=loss if last else None, target=target, received=stage_index > 0
     )
     prof = _stage_profile(
-        module, loss_fn, optimizer, n_microbatches, fsdp_world_size, dict(profile_options)
-    )
+        module, loss_fn, optimizer, n_microbatches, fsdp_world_size, dict(profile_options),
+        timed_together,
+    )  # fmt: skip
     seg = segments and fsdp_world_size is None
     planner = Planner(prof, segments=seg, chunking=chunking)
     nbytes = planner.budget_bytes(budget)
-    out_bytes = _output_bytes(module, inputs)
-    received = _tensor_bytes(inputs) if stage_index > 0 else 0
+    out_bytes = output_bytes(module, inputs)
+    received = tensor_bytes(inputs) if stage_index > 0 else 0
     parts = StageParts(
         # + one input gradient still being sent while the next is made (measured on gloo)
         buffer_bytes=n_microbatches * (received + (0 if last else out_bytes)) + received,
@@ -385,7 +392,7 @@ def plan_stages(
             n_microbatches=n_microbatches,
             loss=loss,
             target=target,
-            **options,
+            **{"timed_together": False, **options},
         )
         for i, (module, inputs) in enumerate(stages)
     ]

@@ -8,13 +8,18 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
 
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import live_trace, simulate
 from gradckpt.profiling.records import Profile
 
-__all__ = ["StageCost", "StageParts", "held_bytes", "stage_cost"]
+__all__ = ["StageCost", "StageParts", "held_bytes", "output_bytes", "stage_cost", "tensor_bytes"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +70,33 @@ def stage_cost(profile: Profile, plan: Plan, in_flight: int, parts: StageParts) 
         step_end if parts.merged_bytes else 0,
     )
     return StageCost(peak, held, pred.step_time)
+
+
+def tensor_bytes(inputs: Sequence[Any]) -> int:
+    """Bytes of the tensors in ``inputs`` (other values count nothing).
+
+    Example:
+        >>> tensor_bytes((torch.zeros(4), 3))
+        16
+    """
+    return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+
+
+def output_bytes(module: nn.Module, inputs: Sequence[Any]) -> int:
+    """Bytes of the stage's output for one micro-batch, from a forward on fake tensors.
+
+    Example:
+        >>> output_bytes(nn.Linear(4, 8), (torch.zeros(2, 4),))
+        64
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if any(p.device.type == "meta" for p in module.parameters()):  # built without memory
+        meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
+        with torch.no_grad():
+            out = module(*meta)
+    else:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            out = module(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tensor_bytes(outs)

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,15 @@ from torch import nn
 
 from gradckpt.testing.gpts import CausalSelfAttention, GPTBlock
 
-__all__ = ["FirstStage", "LastStage", "MiddleStage", "gpt_stages", "next_token_loss"]
+__all__ = [
+    "Decoder",
+    "FirstStage",
+    "LastStage",
+    "MiddleStage",
+    "decoder",
+    "gpt_stages",
+    "next_token_loss",
+]
 
 
 class SwiGLU(nn.Module):
@@ -116,6 +125,41 @@ class LastStage(MiddleStage):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(super().forward(x)))
+
+
+class Decoder(nn.Module):
+    """The whole decoder, unsplit: for ``torch.distributed.pipelining.pipeline()`` to split
+    at ``SplitPoint``s (``blocks.<i>``). Its parts are the stage modules' own.
+
+    Example:
+        >>> model = decoder(layers=4)
+        >>> [n for n, _ in model.named_children()]
+        ['tok_emb', 'pos_emb', 'blocks', 'norm', 'lm_head']
+    """
+
+    def __init__(self, first: FirstStage, middle: list[MiddleStage], last: LastStage) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = first.tok_emb, first.pos_emb
+        parts = [first, *middle, last]
+        self.blocks = nn.ModuleList(block for part in parts for block in part.blocks)
+        self.norm, self.lm_head = last.norm, last.lm_head
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def decoder(**options: Any) -> Decoder:
+    """The decoder :func:`gpt_stages` builds (the same options and weights), in one module.
+
+    Example:
+        >>> len(decoder(layers=6).blocks)
+        6
+    """
+    first, *middle, last = gpt_stages(2, **options)
+    return Decoder(first, middle, last)  # type: ignore[arg-type]
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""Pipeline stages on 2 CPU ranks (gloo): a plan per stage, each rank's whole steps in budget.
+"""Pipeline stages on 2 and 4 CPU ranks (gloo): a plan per stage, each rank's whole steps in budget.
 
 The ranks are this file run as a script (``python test_pipeline.py MODEL OUT``);
-each builds the same decoder split in two stages (``gradckpt.testing.pipelines``),
-keeps its own stage and trains it under ``Schedule1F1B`` and ``ScheduleGPipe``
-for 3 steps (AdamW, 4 micro-batches): once plain, once with the stage planned by
+each builds the same decoder split in as many stages as there are ranks
+(``gradckpt.testing.pipelines``; GPT and Llama on 2 ranks, 4 micro-batches; a
+tiny Llama on 4 ranks, 8 micro-batches, so the suite stays cheap), keeps its own
+stage and trains it under ``Schedule1F1B`` and ``ScheduleGPipe``
+for 3 steps (AdamW): once plain, once with the stage planned by
 ``fit_stage`` for one byte budget. Every rank's allocator high-water over the 3
 whole steps (forward, backward, send/recv, ``optimizer.step()``) is checked
 against the budget, and its gradients and parameters against the plain run's,
@@ -25,6 +27,13 @@ WORLD = 2
 M = 4  # micro-batches
 CONFIG = dict(layers=4, d_model=64, heads=4, seq=64, vocab=256, dropout=0.1)
 BATCH = 8
+#: Per world size: the decoder's sizes and micro-batches (4 ranks: two blocks a stage).
+SETUPS = {
+    2: (CONFIG, M),
+    4: (dict(layers=8, d_model=32, heads=2, seq=32, vocab=128, dropout=0.1), 8),
+}
+#: (model, ranks) launched: both models on 2 ranks, one on 4.
+CASES = [("gpt", 2), ("llama", 2), ("llama", 4)]
 SCHEDULES = ("1f1b", "gpipe")
 #: The budget: this share of the larger of the two ranks' plain whole-step peaks (measured
 #: in the same processes), so it binds on at least one stage.
@@ -36,22 +45,23 @@ TIMEOUT_S = 240
 # ------------------------------------------------------------------ the ranks
 
 
-def _batch():
+def _batch(config: dict = CONFIG):
     g = torch.Generator().manual_seed(7)
-    t = torch.randint(0, CONFIG["vocab"], (BATCH, CONFIG["seq"] + 1), generator=g)
+    t = torch.randint(0, config["vocab"], (BATCH, config["seq"] + 1), generator=g)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def _train(module, rank: int, schedule_cls, steps: int = STEPS) -> dict:
+def _train(module, rank: int, world: int, schedule_cls, steps: int = STEPS) -> dict:
     """``steps`` whole steps of one stage under the schedule; the allocator's high-water."""
     from torch.distributed.pipelining import PipelineStage
 
     from gradckpt.measure import AllocatorTracker
     from gradckpt.testing.pipelines import next_token_loss
 
-    x, y = _batch()
-    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
-    schedule = schedule_cls(stage, M, loss_fn=next_token_loss)
+    config, m = SETUPS[world]
+    x, y = _batch(config)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = schedule_cls(stage, m, loss_fn=next_token_loss)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     losses: list = []
     with AllocatorTracker() as at:
@@ -60,8 +70,10 @@ def _train(module, rank: int, schedule_cls, steps: int = STEPS) -> dict:
             opt.zero_grad(set_to_none=True)
             if rank == 0:
                 schedule.step(x)
-            else:
+            elif rank == world - 1:
                 schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
             if step == steps - 1:  # after the backward: never part of the peak
                 grads = {k: p.grad.clone() for k, p in module.named_parameters()}
             opt.step()
@@ -83,22 +95,23 @@ def _rank(model: str, rank: int, world: int) -> dict:
     from gradckpt.testing.pipelines import gpt_stages, next_token_loss
 
     out: dict = {}
-    x, y = _batch()
-    mb = BATCH // M
+    config, m = SETUPS[world]
+    x, y = _batch(config)
+    mb = BATCH // m
     for cls in (Schedule1F1B, ScheduleGPipe):
         name = schedule_name(cls)
-        plain = _train(gpt_stages(world, kind=model, **CONFIG)[rank], rank, cls)
+        plain = _train(gpt_stages(world, kind=model, **config)[rank], rank, world, cls)
         peaks = [torch.tensor(plain["peak"])]
         dist.all_reduce(peaks[0], op=dist.ReduceOp.MAX)
         budget = int(SHARE * peaks[0].item())
-        module = gpt_stages(world, kind=model, **CONFIG)[rank]
-        inputs = (x[:mb],) if rank == 0 else (torch.randn(mb, CONFIG["seq"], CONFIG["d_model"]),)
+        module = gpt_stages(world, kind=model, **config)[rank]
+        inputs = (x[:mb],) if rank == 0 else (torch.randn(mb, config["seq"], config["d_model"]),)
         stage_plan = fit_stage(
             module, inputs, budget, schedule=cls, stage_index=rank, num_stages=world,
-            n_microbatches=M, loss=next_token_loss, target=y[:mb], optimizer="adamw",
+            n_microbatches=m, loss=next_token_loss, target=y[:mb], optimizer="adamw",
             repeats=2,
         )  # fmt: skip
-        planned = _train(module, rank, cls)
+        planned = _train(module, rank, world, cls)
         out[name] = {
             "budget": budget,
             "plain": plain,
@@ -117,11 +130,12 @@ def _main(model: str, out_dir: str) -> None:
 # ------------------------------------------------------------------ launching
 
 
-@pytest.fixture(scope="module", params=["gpt", "llama"])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{w}ranks" for m, w in CASES])
 def ranks(request, tmp_path_factory, launch_ranks):
     pytest.importorskip("torch.distributed.pipelining")
-    out_dir = tmp_path_factory.mktemp(f"pipeline-{request.param}")
-    return launch_ranks(__file__, [request.param, str(out_dir)], out_dir, WORLD, TIMEOUT_S)
+    model, world = request.param
+    out_dir = tmp_path_factory.mktemp(f"pipeline-{model}-{world}")
+    return launch_ranks(__file__, [model, str(out_dir)], out_dir, world, TIMEOUT_S)
 
 
 # --------------------------------------------------------------------- tests
@@ -151,7 +165,8 @@ def test_gradients_and_parameters_equal_the_plain_pipeline_bit_for_bit(ranks, sc
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_each_stage_is_planned_for_its_in_flight_micro_batches(ranks, schedule):
     plans = [StagePlan.from_json(d) for d in ranks[0][schedule]["plans"]]
-    assert [p.in_flight for p in plans] == [in_flight(schedule, s, WORLD, M) for s in range(WORLD)]
+    world, m = len(ranks), SETUPS[len(ranks)][1]
+    assert [p.in_flight for p in plans] == [in_flight(schedule, s, world, m) for s in range(world)]
     assert all(p.plan.budget_bytes == ranks[0][schedule]["budget"] for p in plans)
     table = summary(plans)
     for p in plans:
@@ -201,6 +216,27 @@ def test_fsdp_inside_a_stage_counts_one_rank_s_parameters_and_plans_no_segments(
     assert tight.predicted_peak_bytes <= tight.budget_bytes
     assert any(u.mode != "keep" for u in tight.plan.units)
     assert not any(isinstance(item, Segment) for item in tight.plan.items)
+
+
+def test_a_stage_timed_together_prices_its_ops_at_the_rate_of_its_step():
+    import gradckpt
+    from gradckpt.integrations.pipeline import stage_loss_fn
+    from gradckpt.integrations.pipeline_timing import in_process_group, retimed_to
+    from gradckpt.planning.simulation.simulate import simulate
+    from gradckpt.planning.solving.baselines import every_kth_plan
+    from gradckpt.testing.pipelines import gpt_stages
+
+    stage = gpt_stages(WORLD, **CONFIG)[0]
+    x = _batch()[0][: BATCH // M]
+    prof = gradckpt.profile(stage, stage_loss_fn(stage, (x,)), repeats=1)
+    slow = retimed_to(prof, 1.5 * prof.step_time)
+    assert slow.step_time == pytest.approx(1.5 * prof.step_time)
+    assert [o.time for o in slow.ops] == pytest.approx([1.5 * o.time for o in prof.ops])
+    plan = every_kth_plan(prof, 1)
+    assert simulate(slow, plan).recompute_time == pytest.approx(
+        1.5 * simulate(prof, plan).recompute_time
+    )
+    assert not in_process_group()  # one process: plan_stage profiles as before
 
 
 def test_a_budget_no_plan_meets_names_the_stage_and_its_in_flight_count():
