@@ -21,6 +21,7 @@ from gradckpt.apply.wrappers import (
     segment_error,
 )
 from gradckpt.engine import dynamo
+from gradckpt.engine.chunking.token_wise import TokenChunkedForward
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
@@ -50,7 +51,7 @@ class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
     units: dict[str, UnitSpec]
-    installed: list[UnitForward | CallsForward | RootGuard] = field(default_factory=list)  # per modules entry
+    installed: list[UnitForward | CallsForward | RootGuard | TokenChunkedForward] = field(default_factory=list)  # per modules entry
     undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
 
 
@@ -166,6 +167,19 @@ def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward |
     return out
 
 
+def _token_chunked(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, TokenChunkedForward]]:
+    """The chunked forward to install on each module ``plan.token_chunks`` names."""
+    modules = dict(model.named_modules())
+    out = []
+    for path, chunks in plan.token_chunks:
+        module = modules.get(path)
+        if module is None:
+            raise PlanMismatchError(f"the plan chunks {path!r}, which this model does not have")
+        plain = getattr(module.forward, "__gradckpt_original__", module.forward)
+        out.append((module, TokenChunkedForward(plain, chunks, name=path)))
+    return out
+
+
 def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error") -> nn.Module:
     """Install ``plan`` on ``model`` in place and return the model.
 
@@ -275,6 +289,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             installed.installed.append(forward)
             module.forward = forward
+        for module, chunked in _token_chunked(model, plan):  # MLPs in slices of tokens
+            had_own = "forward" in module.__dict__
+            installed.modules.append((module, had_own, module.__dict__.get("forward")))
+            installed.installed.append(chunked)  # type: ignore[arg-type]
+            module.forward = chunked
         # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
         if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__

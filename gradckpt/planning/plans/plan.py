@@ -202,6 +202,9 @@ class Plan:
     #: Planned from a fake profile for another device: the host's time per op it took
     #: as the least an op costs there (None: op times measured, or a CPU profile).
     host_op_seconds: float | None = None
+    #: Token-wise modules inside blocks (MLPs) run in slices of tokens: ``(module path,
+    #: slices)`` pairs (:mod:`gradckpt.planning.kinds.chunk.token_plan`); () for none.
+    token_chunks: tuple[tuple[str, int], ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -221,6 +224,11 @@ class Plan:
         data = asdict(self)
         # A plan without newer kinds is written exactly as before (version 1).
         data["version"] = max([self.version] + [u.decision.plan_version for u in self.units])
+        if self.token_chunks:  # older readers must refuse it by its version
+            data["version"] = max(data["version"], 2)
+            data["token_chunks"] = [[p, k] for p, k in self.token_chunks]
+        else:  # a plan without it is written exactly as before
+            del data["token_chunks"]
         data["items"] = [_item_to_json(i) for i in self.items]
         data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
         data["not_planned"] = [[p, n] for p, n in self.not_planned]
@@ -247,6 +255,12 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        try:
+            fields["token_chunks"] = tuple((str(p), int(k)) for p, k in data.get("token_chunks", ()))
+        except (TypeError, ValueError) as e:
+            raise PlanFormatError(
+                f"{source + ': ' if source else ''}malformed gradckpt plan: token_chunks: {e}"
+            ) from None
         if fields.get("offload") is not None:
             try:
                 fields["offload"] = OffloadOptions.from_json(fields["offload"])
@@ -386,4 +400,15 @@ def plan_summary(plan: Plan) -> str:
         options is not None and options.stream,
     )
     lines = _lines(plan.items, 1, offloaded)
-    return "\n".join(head + _offload_head(plan) + lines + shared)
+    return "\n".join(head + _offload_head(plan) + lines + shared + _token_chunk_lines(plan))
+
+
+def _token_chunk_lines(plan: Plan) -> list[str]:
+    if not plan.token_chunks:
+        return []
+    ks = sorted({k for _, k in plan.token_chunks})
+    return [
+        f"  token-wise chunking: {len(plan.token_chunks)} MLP(s) in {'/'.join(map(str, ks))} "
+        "slices of tokens, each slice recomputed in backward (exact up to the order of sums)",
+        *(f"  {path:<28} mlp chunk  {k} slices of tokens" for path, k in plan.token_chunks),
+    ]

@@ -74,4 +74,8 @@ def regions_of(profile: Profile, plan: Plan) -> list[Region]:
     for pack in profile.packs:
         for region in owner.get(pack.unit, ()):
             region.packs.append(pack.id)
+    if plan.token_chunks:  # MLPs in slices: regions of their own, inside their blocks'
+        from gradckpt.planning.kinds.chunk.token_plan import add_token_regions
+
+        tops = add_token_regions(profile, plan, tops)
     return tops

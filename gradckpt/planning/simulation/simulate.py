@@ -320,7 +320,11 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
 def _plan_effect(profile: Profile, plan: Plan) -> StepEffect | None:
     """The plan-wide effects of the kinds the plan uses, as one (None: none has any)."""
     kinds = dict.fromkeys(type(u.decision) for u in plan.units)  # in plan order
-    effects = (handler_for(kind).plan_effect(profile, plan) for kind in kinds)
+    effects = [handler_for(kind).plan_effect(profile, plan) for kind in kinds]
+    if plan.token_chunks:  # MLPs in slices of tokens, beside their blocks' decisions
+        from gradckpt.planning.kinds.chunk.token_plan import token_chunk_effect
+
+        effects.append(token_chunk_effect(profile, plan))
     return combined(e for e in effects if e is not None)
 
 
