@@ -182,3 +182,16 @@ def test_a_chunked_plan_measures_what_it_predicts_and_gradients_match(
     assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss)
     for k, ref in plain_grads.items():
         assert (grads[k] - ref).norm() <= 1e-5 * ref.norm(), k
+
+
+def test_explain_says_which_mlps_run_in_slices(toy):
+    _, _, prof = toy
+    plan = with_token_chunks(prof, none_plan(prof), 4)
+    explained = Planner(prof).explain(plan=plan)
+    text = explained.table()
+    assert "in 4 slices of chunked MLP blocks.0.mlp" in text
+    # The kept blocks' other saved tensors are still kept, not called recomputed.
+    mix = [r for r in explained.rows if r.unit == "blocks.0" and r.status == "kept"]
+    assert mix
+    units = {u.path: u for u in explained.units}
+    assert "MLP blocks.0.mlp in 4 slices" in units["blocks.0"].decision

@@ -84,7 +84,7 @@ def add_token_regions(profile: Profile, plan: Plan, tops: list[Region]) -> list[
         inputs = frozenset({span.input}) if span.input >= 0 else frozenset()
         region = Region(
             [span.unit], span.first_op, span.end_op, frozenset(), inputs,
-            packs=list(span.packs), repeats=k,
+            packs=list(span.packs), repeats=k, label=span.path,
         )  # fmt: skip
         parent = _deepest(tops, span)
         if parent is None:
