@@ -21,6 +21,7 @@ from gradckpt.planning import Plan
 from gradckpt.planning.kinds.chunk.token_plan import allow_token_chunking, with_token_chunks
 from gradckpt.planning.kinds.chunk.token_wise import token_wise_spans
 from gradckpt.planning.planner import Planner
+from gradckpt.planning.plans.errors import PlanFormatError
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.baselines import every_kth_plan, none_plan
 
@@ -157,6 +158,10 @@ def test_a_plan_file_with_token_chunks_is_version_2_and_reads_back(toy, tmp_path
     plan.save(tmp_path / "plan.json")
     assert json.loads((tmp_path / "plan.json").read_text())["version"] == 2
     assert Plan.load(tmp_path / "plan.json").token_chunks == plan.token_chunks
+    data = plan.to_json()
+    data["token_chunks"] = [["blocks.0.mlp", "many"]]
+    with pytest.raises(PlanFormatError, match="token_chunks"):
+        Plan.from_json(data)
 
 
 # Blocks kept (the MLP a region of its own) or recomputed (nested in the block's);
