@@ -22,6 +22,7 @@ from gradckpt.apply.wrappers import (
 )
 from gradckpt.engine import dynamo
 from gradckpt.engine.chunking.token_wise import TokenChunkedForward
+from gradckpt.engine.decisions import Keep, Recompute
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
@@ -170,11 +171,21 @@ def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward |
 def _token_chunked(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, TokenChunkedForward]]:
     """The chunked forward to install on each module ``plan.token_chunks`` names."""
     modules = dict(model.named_modules())
+    decisions = {module_path(u.path): u.decision for u in plan.units}
     out = []
     for path, chunks in plan.token_chunks:
         module = modules.get(path)
         if module is None:
             raise PlanMismatchError(f"the plan chunks {path!r}, which this model does not have")
+        block = max((b for b in decisions if path.startswith(b + ".")), key=len, default=None)
+        decision = decisions.get(block) if block is not None else None
+        if not isinstance(decision, (Keep, Recompute)):
+            # A selective policy counts its region's ops, and slices would add to them.
+            raise ValueError(
+                f"the plan chunks {path!r} along the tokens inside "
+                f"{block or 'no unit'} ({decision.kind if decision else 'unplanned'}); only a "
+                "kept or recomputed block's MLP runs in slices. Plan again."
+            )
         plain = getattr(module.forward, "__gradckpt_original__", module.forward)
         out.append((module, TokenChunkedForward(plain, chunks, name=path)))
     return out

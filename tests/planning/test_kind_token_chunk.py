@@ -9,6 +9,7 @@ tokens), and neither is an MLP with dropout (slices would draw other masks).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,7 +24,7 @@ from gradckpt.planning.kinds.chunk.token_wise import token_wise_spans
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.errors import PlanFormatError
 from gradckpt.planning.simulation.simulate import simulate
-from gradckpt.planning.solving.baselines import every_kth_plan, none_plan
+from gradckpt.planning.solving.baselines import every_kth_plan, none_plan, save_matmuls_plan
 
 H, T = 32, 256
 
@@ -200,3 +201,14 @@ def test_explain_says_which_mlps_run_in_slices(toy):
     assert mix
     units = {u.path: u for u in explained.units}
     assert "MLP blocks.0.mlp in 4 slices" in units["blocks.0"].decision
+
+
+def test_apply_refuses_an_mlp_in_slices_inside_a_selective_block(toy):
+    net, _, prof = toy
+    base = save_matmuls_plan(prof)
+    selective = [u.path for u in base.units if u.mode == "selective"]
+    assert selective
+    plan = dataclasses.replace(base, token_chunks=((f"{selective[0]}.mlp", 4),))
+    with pytest.raises(ValueError, match="only a kept or recomputed block"):
+        gradckpt.apply(net, plan)
+    assert "forward" not in net.blocks[0].mlp.__dict__  # nothing left installed
