@@ -41,6 +41,7 @@ import torch
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.planning.handlers.effects import StepEffect, combined
 from gradckpt.planning.handlers.engine_counts import EngineCounts
+from gradckpt.planning.handlers.plan_parts import plan_parts
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan
@@ -321,10 +322,8 @@ def _plan_effect(profile: Profile, plan: Plan) -> StepEffect | None:
     """The plan-wide effects of the kinds the plan uses, as one (None: none has any)."""
     kinds = dict.fromkeys(type(u.decision) for u in plan.units)  # in plan order
     effects = [handler_for(kind).plan_effect(profile, plan) for kind in kinds]
-    if plan.token_chunks:  # MLPs in slices of tokens, beside their blocks' decisions
-        from gradckpt.planning.kinds.chunk.token_plan import token_chunk_effect
-
-        effects.append(token_chunk_effect(profile, plan))
+    # Parts beside the units' decisions (MLPs in slices of tokens).
+    effects += [part.effect(profile, plan) for part in plan_parts()]
     return combined(e for e in effects if e is not None)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 from gradckpt.engine.decisions import Keep, Recompute
 from gradckpt.planning.handlers.effects import Buffer, StepEffect
+from gradckpt.planning.handlers.plan_parts import PlanPart, register_part
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.kinds.chunk.handler import MIN_ROWS, chunking_allowed
 from gradckpt.planning.kinds.chunk.token_wise import TokenSpan, token_wise_spans
@@ -79,6 +80,8 @@ def add_token_regions(profile: Profile, plan: Plan, tops: list[Region]) -> list[
     Example:
         >>> add_token_regions(prof, plan, regions)[0].children
     """
+    if not plan.token_chunks:
+        return tops
     tops = list(tops)
     for span, k in _spans_of(profile, plan):
         inputs = frozenset({span.input}) if span.input >= 0 else frozenset()
@@ -229,3 +232,16 @@ def token_chunked_fit(profile: Profile, budget: int, bases: list[Plan]) -> Plan 
     if best is None:
         return None
     return finish(profile, best[0], budget, "dp+mlp-chunk", best[1])[0]
+
+
+class TokenChunkPart(PlanPart):
+    """How the simulator reaches ``Plan.token_chunks`` (see :mod:`gradckpt.planning.handlers.plan_parts`)."""
+
+    def regions(self, profile: Profile, plan: Plan, tops: list[Region]) -> list[Region]:
+        return add_token_regions(profile, plan, tops)
+
+    def effect(self, profile: Profile, plan: Plan) -> StepEffect | None:
+        return token_chunk_effect(profile, plan)
+
+
+register_part("token_chunks", TokenChunkPart())
