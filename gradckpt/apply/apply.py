@@ -9,6 +9,7 @@ from torch import nn
 
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.calls import CallClock, CallsForward
+from gradckpt.apply.token_chunks import token_chunked_forwards
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -22,7 +23,6 @@ from gradckpt.apply.wrappers import (
 )
 from gradckpt.engine import dynamo
 from gradckpt.engine.chunking.token_wise import TokenChunkedForward
-from gradckpt.engine.decisions import Keep, Recompute
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
@@ -168,29 +168,6 @@ def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward |
     return out
 
 
-def _token_chunked(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, TokenChunkedForward]]:
-    """The chunked forward to install on each module ``plan.token_chunks`` names."""
-    modules = dict(model.named_modules())
-    decisions = {module_path(u.path): u.decision for u in plan.units}
-    out = []
-    for path, chunks in plan.token_chunks:
-        module = modules.get(path)
-        if module is None:
-            raise PlanMismatchError(f"the plan chunks {path!r}, which this model does not have")
-        block = max((b for b in decisions if path.startswith(b + ".")), key=len, default=None)
-        decision = decisions.get(block) if block is not None else None
-        if not isinstance(decision, (Keep, Recompute)):
-            # A selective policy counts its region's ops, and slices would add to them.
-            raise ValueError(
-                f"the plan chunks {path!r} along the tokens inside "
-                f"{block or 'no unit'} ({decision.kind if decision else 'unplanned'}); only a "
-                "kept or recomputed block's MLP runs in slices. Plan again."
-            )
-        plain = getattr(module.forward, "__gradckpt_original__", module.forward)
-        out.append((module, TokenChunkedForward(plain, chunks, name=path)))
-    return out
-
-
 def apply(model: nn.Module, plan: Plan | PlanSet, *, on_new_shape: str = "error") -> nn.Module:
     """Install ``plan`` on ``model`` in place and return the model.
 
@@ -293,6 +270,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
         current.undo = []
         _uninstall(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
+    names = dict(model.named_modules())
+    missing = [p for p, _ in plan.token_chunks if p not in names]
+    if missing:
+        raise PlanMismatchError(f"the plan chunks {missing[0]!r}, which this model does not have")
+    chunked = token_chunked_forwards(model, plan)  # MLPs in slices of tokens
     installed = _Installed(plan, [], specs, undo=undo)
     try:
         for module, forward in _forwards(specs):
@@ -300,11 +282,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             installed.installed.append(forward)
             module.forward = forward
-        for module, chunked in _token_chunked(model, plan):  # MLPs in slices of tokens
+        for module, sliced in chunked:
             had_own = "forward" in module.__dict__
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
-            installed.installed.append(chunked)  # type: ignore[arg-type]
-            module.forward = chunked
+            installed.installed.append(sliced)
+            module.forward = sliced
         # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
         if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__

@@ -24,7 +24,7 @@ from gradckpt.profiling.recorder import RecordMode, StepRecorder
 from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
 from gradckpt.profiling.replay import spec_sink
 from gradckpt.profiling.state import StepState
-from gradckpt.profiling.sub_calls import inner_candidates
+from gradckpt.profiling.sub_calls import enter_sub, exit_sub, inner_candidates
 from gradckpt.profiling.units import Unit
 from gradckpt.profiling.workspace import allocator_events, malloc_probe, op_workspaces, step_peak
 
@@ -51,9 +51,9 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
         def forward_noted(*args: Any, **kwargs: Any) -> Any:
             if not recorder.active or not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            call = recorder.enter_sub(path, args, kwargs)
+            call = enter_sub(recorder, path, args, kwargs)
             out = forward(*args, **kwargs)
-            recorder.exit_sub(call, out)
+            exit_sub(recorder, call, out)
             return out
 
         return forward_noted

@@ -29,9 +29,10 @@ from gradckpt.profiling.accumulation import InPlaceCheck
 from gradckpt.profiling.opaque import check_output_seen
 from gradckpt.profiling.records import NEVER
 from gradckpt.profiling.replay import SpecSink, op_spec
+from gradckpt.profiling.sub_calls import SubCall
 from gradckpt.profiling.units import Unit
 
-__all__ = ["RecordedOp", "StepRecorder", "SubCall", "UnitCall"]
+__all__ = ["RecordedOp", "StepRecorder", "UnitCall"]
 
 
 class RecordedOp(NamedTuple):
@@ -72,21 +73,6 @@ class UnitCall:
     # how backward ops are told to belong to the unit.
     seq_start: int = 0
     seq_end: int = 0
-
-
-@dataclass
-class SubCall:
-    """One call of a module inside a unit's forward (an MLP in a block): its op span."""
-
-    path: str
-    unit: int  # serial of the enclosing unit call
-    first_op: int
-    end_op: int = -1
-    input: int = -1  # storage id of its first tensor argument
-    output: int = -1  # storage id of its first tensor result
-    input_shape: tuple[int, ...] = ()
-    output_shape: tuple[int, ...] = ()
-    tensor_args: int = 0  # tensors among its arguments (keyword ones included)
 
 
 @dataclass
@@ -147,8 +133,7 @@ class StepRecorder:
     storages: list[_Storage] = field(default_factory=list)
     packs: list[_Pack] = field(default_factory=list)
     calls: list[UnitCall] = field(default_factory=list)
-    #: Calls of modules inside blocks that a plan may chunk along the tokens (see
-    #: :func:`gradckpt.profiling.sub_calls.inner_candidates`): their op spans.
+    #: Calls of modules inside blocks, with their op spans (gradckpt.profiling.sub_calls).
     sub_calls: list[SubCall] = field(default_factory=list)
     forward: bool = True
     forward_ops: int = 0
@@ -308,28 +293,6 @@ class StepRecorder:
         call.seq_start = torch._C._autograd._get_sequence_nr()
         self._stack.append(call)
         return call
-
-    def enter_sub(self, path: str, args: tuple, kwargs: dict) -> SubCall | None:
-        """Note a call of an inner module (inside a unit's forward); None outside units."""
-        if not self._stack or not self.forward:
-            return None
-        call = SubCall(path, self._stack[-1].serial, len(self.ops))
-        flat, _ = tree_flatten((args, kwargs))
-        call.tensor_args = sum(isinstance(a, torch.Tensor) for a in flat)
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is not None:
-            call.input, call.input_shape = self.sid_of(first), tuple(first.shape)
-        return call
-
-    def exit_sub(self, call: SubCall | None, out: Any) -> None:
-        if call is None:
-            return
-        call.end_op = len(self.ops)
-        flat, _ = tree_flatten(out)
-        first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
-        if first is not None:
-            call.output, call.output_shape = self.sid_of(first), tuple(first.shape)
-        self.sub_calls.append(call)
 
     def exit_unit(self, call: UnitCall, out: Any) -> None:
         self._stack.pop()

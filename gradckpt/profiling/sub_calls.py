@@ -17,12 +17,59 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from gradckpt.profiling.units import Unit
 
-__all__ = ["SubCallRecord", "inner_candidates"]
+__all__ = ["SubCall", "SubCallRecord", "enter_sub", "exit_sub", "inner_candidates"]
+
+
+@dataclass
+class SubCall:
+    """One call of an inner module while a pass records (its unit is a call serial)."""
+
+    path: str
+    unit: int  # serial of the enclosing unit call
+    first_op: int
+    end_op: int = -1
+    input: int = -1  # storage id of its first tensor argument
+    output: int = -1  # storage id of its first tensor result
+    input_shape: tuple[int, ...] = ()
+    output_shape: tuple[int, ...] = ()
+    tensor_args: int = 0  # tensors among its arguments (keyword ones included)
+
+
+def enter_sub(recorder: Any, path: str, args: tuple, kwargs: dict) -> SubCall | None:
+    """Note a call of an inner module on ``recorder`` (a StepRecorder); None outside units.
+
+    Example:
+        >>> call = enter_sub(recorder, "layers.0.mlp", (x,), {})
+    """
+    if not recorder._stack or not recorder.forward:
+        return None
+    call = SubCall(path, recorder._stack[-1].serial, len(recorder.ops))
+    flat, _ = tree_flatten((args, kwargs))
+    call.tensor_args = sum(isinstance(a, torch.Tensor) for a in flat)
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None:
+        call.input, call.input_shape = recorder.sid_of(first), tuple(first.shape)
+    return call
+
+
+def exit_sub(recorder: Any, call: SubCall | None, out: Any) -> None:
+    """Close ``call`` (from :func:`enter_sub`) with the call's result ``out``."""
+    if call is None:
+        return
+    call.end_op = len(recorder.ops)
+    flat, _ = tree_flatten(out)
+    first = next((x for x in flat if isinstance(x, torch.Tensor)), None)
+    if first is not None:
+        call.output, call.output_shape = recorder.sid_of(first), tuple(first.shape)
+    recorder.sub_calls.append(call)
 
 
 @dataclass(frozen=True, slots=True)

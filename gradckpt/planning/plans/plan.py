@@ -45,6 +45,7 @@ from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.errors import PlanFormatError, check_plan_fields
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.step_parts import StepParts
+from gradckpt.planning.plans.token_chunks import token_chunk_lines, token_chunks_from_json
 
 __all__ = [
     "PLAN_VERSION",
@@ -255,12 +256,7 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
-        try:
-            fields["token_chunks"] = tuple((str(p), int(k)) for p, k in data.get("token_chunks", ()))
-        except (TypeError, ValueError) as e:
-            raise PlanFormatError(
-                f"{source + ': ' if source else ''}malformed gradckpt plan: token_chunks: {e}"
-            ) from None
+        fields["token_chunks"] = token_chunks_from_json(data.get("token_chunks", ()), source)
         if fields.get("offload") is not None:
             try:
                 fields["offload"] = OffloadOptions.from_json(fields["offload"])
@@ -400,15 +396,4 @@ def plan_summary(plan: Plan) -> str:
         options is not None and options.stream,
     )
     lines = _lines(plan.items, 1, offloaded)
-    return "\n".join(head + _offload_head(plan) + lines + shared + _token_chunk_lines(plan))
-
-
-def _token_chunk_lines(plan: Plan) -> list[str]:
-    if not plan.token_chunks:
-        return []
-    ks = sorted({k for _, k in plan.token_chunks})
-    return [
-        f"  token-wise chunking: {len(plan.token_chunks)} MLP(s) in {'/'.join(map(str, ks))} "
-        "slices of tokens, each slice recomputed in backward (exact up to the order of sums)",
-        *(f"  {path:<28} mlp chunk  {k} slices of tokens" for path, k in plan.token_chunks),
-    ]
+    return "\n".join(head + _offload_head(plan) + lines + shared + token_chunk_lines(plan))
