@@ -9,6 +9,7 @@ from torch import nn
 
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.calls import CallClock, CallsForward
+from gradckpt.apply.token_chunks import token_chunked_forwards
 from gradckpt.apply.wrappers import (
     RootGuard,
     SegmentSpec,
@@ -21,6 +22,7 @@ from gradckpt.apply.wrappers import (
     segment_error,
 )
 from gradckpt.engine import dynamo
+from gradckpt.engine.chunking.token_wise import TokenChunkedForward
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
@@ -50,7 +52,7 @@ class _Installed:
     plan: Plan
     modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
     units: dict[str, UnitSpec]
-    installed: list[UnitForward | CallsForward | RootGuard] = field(default_factory=list)  # per modules entry
+    installed: list[UnitForward | CallsForward | RootGuard | TokenChunkedForward] = field(default_factory=list)  # per modules entry
     undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
 
 
@@ -268,6 +270,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
         current.undo = []
         _uninstall(model)
     specs = _specs(model, plan)  # validates everything before the model is touched
+    names = dict(model.named_modules())
+    missing = [p for p, _ in plan.token_chunks if p not in names]
+    if missing:
+        raise PlanMismatchError(f"the plan chunks {missing[0]!r}, which this model does not have")
+    chunked = token_chunked_forwards(model, plan)  # MLPs in slices of tokens
     installed = _Installed(plan, [], specs, undo=undo)
     try:
         for module, forward in _forwards(specs):
@@ -275,6 +282,11 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
             installed.modules.append((module, had_own, module.__dict__.get("forward")))
             installed.installed.append(forward)
             module.forward = forward
+        for module, sliced in chunked:
+            had_own = "forward" in module.__dict__
+            installed.modules.append((module, had_own, module.__dict__.get("forward")))
+            installed.installed.append(sliced)
+            module.forward = sliced
         # [shapes #9] a shape guard checks calls in the root wrapper: install it then too
         if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__

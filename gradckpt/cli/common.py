@@ -283,6 +283,8 @@ def describe_plan(plan: Plan) -> str:
     segments = sum(isinstance(i, Segment) for i in plan.items)
     if segments:
         parts.append(f"{segments} segment{'s' * (segments > 1)}")
+    if plan.token_chunks:
+        parts.append(f"{len(plan.token_chunks)} MLP chunk{'s' * (len(plan.token_chunks) > 1)}")
     return ", ".join(parts) or "all kept (no checkpointing)"
 
 
@@ -290,12 +292,21 @@ def chunk_lines(plan: Plan) -> list[str]:
     """One line per unit the plan chunks: what runs in slices, and what that costs."""
     from gradckpt.engine.decisions import Chunk
 
-    return [
+    lines = [
         f"{u.path} and the loss after it run in {u.decision.chunks} slices of tokens (logits "
         "never whole; recomputed once in backward; exact up to the order of sums)"
         for u in plan.units
         if isinstance(u.decision, Chunk)
     ]
+    if plan.token_chunks:
+        ks = "/".join(str(k) for k in sorted({k for _, k in plan.token_chunks}))
+        first, last = plan.token_chunks[0][0], plan.token_chunks[-1][0]
+        which = first if first == last else f"{first} .. {last}"
+        lines.append(
+            f"{len(plan.token_chunks)} token-wise MLPs ({which}) run in {ks} slices of tokens "
+            "(their hidden never whole; recomputed once in backward; exact up to the order of sums)"
+        )
+    return lines
 
 
 def plan_units_table(out: Out, explanation: Explanation, title: str | None = None) -> None:

@@ -22,13 +22,18 @@ from functools import cached_property
 from gradckpt.engine.decisions import Chunk
 from gradckpt.planning.explaining.explain import Explanation, explain
 from gradckpt.planning.kinds.chunk.handler import allow_chunking
+from gradckpt.planning.kinds.chunk.token_plan import (
+    token_chunked_fit,
+    token_chunked_least,
+    token_chunked_plans,
+)
 from gradckpt.planning.kinds.offload.floor import least_peak_offload
 from gradckpt.planning.kinds.offload.solve import offload_candidates
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.plan import Plan
 from gradckpt.planning.simulation.simulate import Prediction, simulate
 from gradckpt.planning.solve import solve
-from gradckpt.planning.solving.budget import Budget
+from gradckpt.planning.solving.budget import Budget, BudgetError
 from gradckpt.planning.solving.chain import ChainModel, build_chain, with_engine_costs
 from gradckpt.planning.solving.dp import ChainDP
 from gradckpt.planning.solving.solvers import (
@@ -49,6 +54,9 @@ __all__ = ["FrontierPoint", "Planner"]
 
 #: Times :meth:`Planner.least_peak` asks the DP for a plan just below the least peak found.
 _TIGHTEN = 3
+#: Plans of the DP, spread over its memory range, that :meth:`Planner.plan` tries with MLPs
+#: chunked when no plan without fits the budget.
+_TOKEN_BASES = 6
 
 
 @dataclass(frozen=True)
@@ -151,9 +159,31 @@ class Planner:
         if offload is not None:
             return solve(self.profile, nbytes, solver, segments=self.segments, offload=offload)
         if solver == "dp":
-            return solve(self.profile, nbytes, "dp", segments=self.segments,
-                         model=self.chain, dp=self.dp)  # fmt: skip
+            try:
+                return solve(self.profile, nbytes, "dp", segments=self.segments,
+                             model=self.chain, dp=self.dp)  # fmt: skip
+            except BudgetError as e:
+                chunked = self._token_chunked(nbytes) if self.chunking else None
+                if chunked is None:
+                    raise
+                e.__traceback__ = None
+                return chunked
         return solve(self.profile, nbytes, solver, segments=self.segments)
+
+    def _token_chunked(self, nbytes: int) -> Plan | None:
+        """The fastest plan for ``nbytes`` that runs blocks' MLPs in slices, when no plan
+        without that fits (:mod:`gradckpt.planning.kinds.chunk.token_plan`); None: none."""
+        if not token_chunked_plans(self.profile, [none_plan(self.profile)]):
+            return None  # no token-wise MLP in this step
+        bases = [self.least_peak()[0]]
+        least = self.dp.least_feasible()
+        if least is not None:
+            top = self.chain.chain.capacity
+            for i in range(_TOKEN_BASES):
+                m = least + round(i * (top - least) / (_TOKEN_BASES - 1))
+                bases.append(schedule_plan(self.profile, self.chain, self.dp, m))
+        bases = list({plan.items: plan for plan in bases if not plan.token_chunks}.values())
+        return token_chunked_fit(self.profile, nbytes, bases)
 
     def least_peak(self) -> tuple[Plan, Prediction]:
         """The leanest plan reachable and its prediction (``.peak_bytes``: the least peak);
@@ -172,7 +202,8 @@ class Planner:
             found = least_peak_offload(self.profile, self.offload, segments=self.segments)
         else:
             found = least_peak_plan(self.profile, segments=self.segments)
-        return self._tightened(found) if self._chunks_offered() else found
+        found = self._tightened(found) if self._chunks_offered() else found
+        return token_chunked_least(self.profile, found) if self.chunking else found
 
     def _chunks_offered(self) -> bool:
         return self.chunking and any(

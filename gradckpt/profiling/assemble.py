@@ -27,6 +27,7 @@ from gradckpt.profiling.records import (
     StorageRecord,
     UnitRecord,
 )
+from gradckpt.profiling.sub_calls import SubCallRecord
 from gradckpt.profiling.units import Unit, call_path
 
 __all__ = ["assemble", "device_of"]
@@ -101,6 +102,14 @@ def assemble(
         engine_costs=engine_costs(device_of(model)),  # measured once per process
         grad_storages=main.grad_storages,
         beside_bytes=main.beside_bytes,
+        sub_calls=tuple(
+            SubCallRecord(
+                c.path, renumber[c.unit], c.first_op, c.end_op, c.input, c.output,
+                c.input_shape, c.output_shape, c.tensor_args,
+            )
+            for c in main.sub_calls
+            if c.unit in renumber
+        ),
     )
 
 

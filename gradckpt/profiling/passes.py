@@ -24,6 +24,7 @@ from gradckpt.profiling.recorder import RecordMode, StepRecorder
 from gradckpt.profiling.records import ProfileError  # defined there: the recorder raises it too
 from gradckpt.profiling.replay import spec_sink
 from gradckpt.profiling.state import StepState
+from gradckpt.profiling.sub_calls import enter_sub, exit_sub, inner_candidates
 from gradckpt.profiling.units import Unit
 from gradckpt.profiling.workspace import allocator_events, malloc_probe, op_workspaces, step_peak
 
@@ -46,7 +47,22 @@ def _unit_markers(units: list[Unit], recorder: StepRecorder) -> Iterator[None]:
 
         return forward_marked
 
+    def sub_marker(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def forward_noted(*args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            call = enter_sub(recorder, path, args, kwargs)
+            out = forward(*args, **kwargs)
+            exit_sub(recorder, call, out)
+            return out
+
+        return forward_noted
+
     try:
+        for path, module in inner_candidates(units):
+            had_own = "forward" in module.__dict__
+            installed.append((module, module.__dict__.get("forward"), had_own))
+            module.forward = sub_marker(path, module.forward)
         for index, unit in enumerate(units):
             module = unit.module
             had_own = "forward" in module.__dict__

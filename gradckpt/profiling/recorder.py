@@ -29,6 +29,7 @@ from gradckpt.profiling.accumulation import InPlaceCheck
 from gradckpt.profiling.opaque import check_output_seen
 from gradckpt.profiling.records import NEVER
 from gradckpt.profiling.replay import SpecSink, op_spec
+from gradckpt.profiling.sub_calls import SubCall
 from gradckpt.profiling.units import Unit
 
 __all__ = ["RecordedOp", "StepRecorder", "UnitCall"]
@@ -132,6 +133,8 @@ class StepRecorder:
     storages: list[_Storage] = field(default_factory=list)
     packs: list[_Pack] = field(default_factory=list)
     calls: list[UnitCall] = field(default_factory=list)
+    #: Calls of modules inside blocks, with their op spans (gradckpt.profiling.sub_calls).
+    sub_calls: list[SubCall] = field(default_factory=list)
     forward: bool = True
     forward_ops: int = 0
     position: int = 0

@@ -33,6 +33,7 @@ from typing import Any
 
 from gradckpt._versioned import check_header
 from gradckpt.measure.engine_costs import EngineCosts
+from gradckpt.profiling.sub_calls import SubCallRecord
 from gradckpt.profiling.training_step import TrainingStep
 from gradckpt.profiling.units import CALL_MARK, module_path
 
@@ -207,6 +208,10 @@ class Profile:
     #: the recorded plain pass read them; a budget counted at malloc's level holds them
     #: too, so ``fit`` plans the tensors for the budget less this. 0: not read.
     beside_bytes: int = 0
+    #: Calls of modules inside blocks (attentions, MLPs) and their op spans: where the
+    #: planner looks for token-wise layers to chunk (:mod:`gradckpt.profiling.sub_calls`);
+    #: () in profiles from before they were recorded.
+    sub_calls: tuple[SubCallRecord, ...] = ()
     version: int = field(default=PROFILE_VERSION)
 
     @property
@@ -268,6 +273,7 @@ class Profile:
             block_parents=tuple(data.get("block_parents", ())),
             host_op_seconds=data.get("host_op_seconds", 0.0),
             beside_bytes=data.get("beside_bytes", 0),
+            sub_calls=tuple(_sub_call(c) for c in data.get("sub_calls", ())),
             version=data["version"],
         )
 
@@ -277,6 +283,11 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _sub_call(data: dict[str, Any]) -> SubCallRecord:
+    shapes = {k: tuple(data.get(k, ())) for k in ("input_shape", "output_shape")}
+    return SubCallRecord(**{**data, **shapes})
 
 
 def retimed(profile: Profile, time_of: Callable[[OpRecord], float]) -> Profile:

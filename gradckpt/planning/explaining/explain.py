@@ -97,7 +97,19 @@ def _offloads(plan: Plan) -> bool:
     return any(isinstance(getattr(i, "decision", None), moving) for i in plan.items)
 
 
+def _token_regions(regions: list[Region]) -> list[Region]:
+    """The token-wise (MLP) regions among ``regions`` and their children, at any depth."""
+    out = []
+    for region in regions:
+        if region.label:
+            out.append(region)
+        out.extend(_token_regions(region.children))
+    return out
+
+
 def _label(region: Region, prof: Profile) -> str:
+    if region.label:
+        return f"MLP {region.label} (in {region.repeats} slices)"
     paths = [prof.units[i].path for i in region.units]
     if len(paths) == 1:
         return f"region {paths[0]}"
@@ -127,14 +139,20 @@ def _decisions(prof: Profile, plan: Plan | None) -> dict[str, str]:
     if _offloads(plan):
         out.update(describe_offload(prof, plan))
         out.update(describe_streamed(prof, plan))
+    for path, chunks in plan.token_chunks:  # said beside the block's own decision
+        block = next((u.path for u in prof.units if path.startswith(u.path + ".")), None)
+        if block is not None:
+            out[block] = (f"{out.get(block, 'keep')}; MLP {path} in {chunks} slices of tokens "
+                          "(its hidden never whole, exact up to the order of sums)")  # fmt: skip
     return out
 
 
 def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     regions = regions_of(prof, plan) if plan is not None else []
-    top_of_unit = {u: r for r in regions for u in r.units}
+    top_of_unit = {u: r for r in regions if not r.label for u in r.units}
     # A chunked region also holds the saved tensors of the loss after its unit.
-    region_of_pack = {pid: r for r in regions if r.repeats > 1 for pid in r.packs}
+    region_of_pack = {pid: r for r in regions if r.repeats > 1 and not r.label for pid in r.packs}
+    sliced_pack = {pid: r for r in _token_regions(regions) for pid in r.packs}
     input_of: dict[int, Region] = {}
     kept_output_of: dict[int, tuple[Region, int]] = {}
     for region in regions:
@@ -159,7 +177,10 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
     for sid in sorted(set(packs_of) | set(input_of) | set(kept_output_of)):
         storage = prof.storages[sid]
         packs = [prof.packs[i] for i in packs_of.get(sid, ())]
-        plain = [p for p in packs if p.unit not in top_of_unit and p.id not in region_of_pack]
+        plain = [
+            p for p in packs
+            if p.unit not in top_of_unit and p.id not in region_of_pack and p.id not in sliced_pack
+        ]  # fmt: skip
         if plain:
             unit = plain[0].unit
             status = "kept"
@@ -177,6 +198,11 @@ def _explain(prof: Profile, plan: Plan | None) -> Explanation:
             region = input_of[sid]
             unit, status = region.units[0], "region input"
             why = f"input of checkpointed {_label(region, prof)}: kept until its backward"
+        elif packs and packs[0].id in sliced_pack:
+            region = sliced_pack[packs[0].id]
+            unit, status = region.units[0], "recomputed"
+            why = (f"in {region.repeats} slices of chunked MLP {region.label}: one slice at a "
+                   "time, recomputed")  # fmt: skip
         elif sid in kept_output_of:
             region, op = kept_output_of[sid]
             unit, status = prof.ops[op].unit, "selective"
@@ -266,7 +292,8 @@ def _unit_costs(
 
 def _kept_until(prof: Profile, regions: list[Region], rows: tuple[SavedStorage, ...]) -> dict:
     """Free position of every kept storage under the plan (the simulator's rule)."""
-    top_of_unit = {u: r for r in regions for u in r.units}
+    top_of_unit = {u: r for r in regions if not r.label for u in r.units}
+    sliced = {pid for r in regions if r.label for pid in r.packs}
     held: dict[int, int] = {}
     for region in regions:
         releases = [prof.packs[i].release for i in region.packs]
@@ -275,7 +302,7 @@ def _kept_until(prof: Profile, regions: list[Region], rows: tuple[SavedStorage, 
             held[sid] = max(held.get(sid, 0), death)
     packs_of: dict[int, list[int]] = {}
     for p in prof.packs:
-        if p.unit not in top_of_unit:
+        if p.unit not in top_of_unit and p.id not in sliced:
             packs_of.setdefault(p.storage, []).append(p.release)
     out = {}
     for r in rows:

@@ -26,3 +26,6 @@ class Region:
     #: How many times the region is entered per step: a chunked region once per slice
     #: (its engine events and kept RNG states count that many times).
     repeats: int = 1
+    #: The module a token-wise region runs in slices (an MLP inside a block); "" for a
+    #: unit's or a segment's region.
+    label: str = ""

@@ -24,5 +24,6 @@ from gradckpt.planning.kinds.offload import handler  # noqa: F401
 from gradckpt.planning.kinds.offload import boundary  # noqa: F401
 from gradckpt.planning.kinds import selective  # noqa: F401
 from gradckpt.planning.kinds.chunk import handler as chunk  # noqa: F401  (last: the head's options after recompute)
+from gradckpt.planning.kinds.chunk import token_plan  # noqa: F401  (MLPs in slices: a plan part)
 
 __all__: list[str] = []

@@ -24,7 +24,8 @@ _NUMBERS = {
 _OPTIONAL_NUMBERS = ("measured_overhead", "host_op_seconds")  # null: not measured, not assumed
 _OPTIONAL_INTS = ("measured_compiled_peak_bytes",)  # null unless fit(compile=True) measured
 _KNOWN = {"kind", "version", "items", "fingerprint", "solver", "input_shapes", "not_planned",
-          "measured_overhead_range", "peak_level", "offload", "step", *_OPTIONAL_NUMBERS,
+          "measured_overhead_range", "peak_level", "offload", "step", "token_chunks",
+          *_OPTIONAL_NUMBERS,
           *_OPTIONAL_INTS, *_NUMBERS}  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.errors import PlanFormatError, check_plan_fields
 from gradckpt.planning.plans.offload_options import OffloadOptions
 from gradckpt.planning.plans.step_parts import StepParts
+from gradckpt.planning.plans.token_chunks import token_chunk_lines, token_chunks_from_json
 
 __all__ = [
     "PLAN_VERSION",
@@ -202,6 +203,9 @@ class Plan:
     #: Planned from a fake profile for another device: the host's time per op it took
     #: as the least an op costs there (None: op times measured, or a CPU profile).
     host_op_seconds: float | None = None
+    #: Token-wise modules inside blocks (MLPs) run in slices of tokens: ``(module path,
+    #: slices)`` pairs (:mod:`gradckpt.planning.kinds.chunk.token_plan`); () for none.
+    token_chunks: tuple[tuple[str, int], ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     @property
@@ -221,6 +225,11 @@ class Plan:
         data = asdict(self)
         # A plan without newer kinds is written exactly as before (version 1).
         data["version"] = max([self.version] + [u.decision.plan_version for u in self.units])
+        if self.token_chunks:  # older readers must refuse it by its version
+            data["version"] = max(data["version"], 2)
+            data["token_chunks"] = [[p, k] for p, k in self.token_chunks]
+        else:  # a plan without it is written exactly as before
+            del data["token_chunks"]
         data["items"] = [_item_to_json(i) for i in self.items]
         data["input_shapes"] = [[p, list(s)] for p, s in self.input_shapes]
         data["not_planned"] = [[p, n] for p, n in self.not_planned]
@@ -247,6 +256,7 @@ class Plan:
             ) from None
         fields["input_shapes"] = tuple((p, tuple(s)) for p, s in data.get("input_shapes", ()))
         fields["not_planned"] = tuple((p, int(n)) for p, n in data.get("not_planned", ()))
+        fields["token_chunks"] = token_chunks_from_json(data.get("token_chunks", ()), source)
         if fields.get("offload") is not None:
             try:
                 fields["offload"] = OffloadOptions.from_json(fields["offload"])
@@ -386,4 +396,4 @@ def plan_summary(plan: Plan) -> str:
         options is not None and options.stream,
     )
     lines = _lines(plan.items, 1, offloaded)
-    return "\n".join(head + _offload_head(plan) + lines + shared)
+    return "\n".join(head + _offload_head(plan) + lines + shared + token_chunk_lines(plan))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+from gradckpt.planning.handlers.plan_parts import plan_parts
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice, iter_units
@@ -74,4 +75,6 @@ def regions_of(profile: Profile, plan: Plan) -> list[Region]:
     for pack in profile.packs:
         for region in owner.get(pack.unit, ()):
             region.packs.append(pack.id)
+    for part in plan_parts():  # e.g. MLPs in slices: regions of their own, in their blocks'
+        tops = part.regions(profile, plan, tops)
     return tops

@@ -41,6 +41,7 @@ import torch
 from gradckpt.measure.allocator import allocator_block_bytes
 from gradckpt.planning.handlers.effects import StepEffect, combined
 from gradckpt.planning.handlers.engine_counts import EngineCounts
+from gradckpt.planning.handlers.plan_parts import plan_parts
 from gradckpt.planning.handlers.region import Region
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan
@@ -320,7 +321,9 @@ def simulate(profile: Profile, plan: Plan) -> Prediction:
 def _plan_effect(profile: Profile, plan: Plan) -> StepEffect | None:
     """The plan-wide effects of the kinds the plan uses, as one (None: none has any)."""
     kinds = dict.fromkeys(type(u.decision) for u in plan.units)  # in plan order
-    effects = (handler_for(kind).plan_effect(profile, plan) for kind in kinds)
+    effects = [handler_for(kind).plan_effect(profile, plan) for kind in kinds]
+    # Parts beside the units' decisions (MLPs in slices of tokens).
+    effects += [part.effect(profile, plan) for part in plan_parts()]
     return combined(e for e in effects if e is not None)
 
 

@@ -107,6 +107,7 @@ class LengthScaling:
             units=units,
             step_time=sum(op.time for op in ops),
             input_shapes=(),
+            sub_calls=(),  # no shapes to slice MLPs by (see docs/chunking.md)
         )
         # The plain peak is the simulated peak of keeping everything (the simulator
         # reproduces a profile's measured peak exactly).
