@@ -193,6 +193,7 @@ def run_config(
                 "fit_measured_overhead": p.measured_overhead,
                 "units": {u.path: u.mode for u in p.units},
                 "segments": p.summary().count("segment "),
+                "token_chunks": [list(t) for t in p.token_chunks],
             }
             for name, p in plans.items()
         },

@@ -116,7 +116,7 @@ def balance_partition(
         ...                   loss=next_token_loss, target=y_mb).best.per_stage
         (5, 3)
     """
-    import gradckpt
+    from gradckpt.api.verbs import profile
     from gradckpt.integrations.pipeline import plan_stage, stage_loss_fn
 
     if blocks < num_stages:
@@ -136,7 +136,7 @@ def balance_partition(
         if (role, count) not in profiles:
             fn = stage_loss_fn(module, inputs, loss=loss if last else None, target=target,
                                received=s > 0)  # fmt: skip
-            profiles[(role, count)] = gradckpt.profile(module, fn, **profile_options)
+            profiles[(role, count)] = profile(module, fn, **profile_options)
         try:
             sp: StagePlan | None = plan_stage(
                 module, inputs, budget, schedule=schedule, stage_index=s, num_stages=num_stages,

@@ -149,7 +149,8 @@ def test_engine_short_ops_quick_writes_report(tmp_path: Path) -> None:
     # fit at the plain peak recomputes nothing; at its least peak it does.
     plans = data["configs"]["short"]["plans"]
     assert set(plans["fit_plain"]["units"].values()) == {"keep"}
-    assert set(plans["fit_least"]["units"].values()) != {"keep"}
+    least = plans["fit_least"]
+    assert set(least["units"].values()) != {"keep"} or least.get("token_chunks")
     again = tmp_path / "again"
     saved = next(tmp_path.glob("engine-shortops-cpu-*.json"))
     rerun = subprocess.run(

@@ -28,7 +28,8 @@ def test_offload_quick_writes_a_report_that_says_timing_is_simulated(tmp_path):
         for link in ("25 GB/s", "400 GB/s"):
             assert curves[link]["at_or_below_everywhere"]
     for row in gpt["measured"]:
-        assert row["gradients_bit_equal"]
+        # Bit for bit, or a plan that chunks (another order of sums) within 1e-5.
+        assert row["gradients_bit_equal"] or (row["chunked"] and row["gradients_within_1e-5"])
         assert row["measured_host_bytes"] == row["predicted_host_bytes"]
 
 

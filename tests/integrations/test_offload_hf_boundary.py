@@ -5,6 +5,8 @@ are a real share of the peak. Host-copy backend on CPU: every plan that runs is
 checked at the allocator (peak within the budget), bit for bit against the
 plain step (dropout on), and for its host bytes (as predicted, within the host
 budget).
+Chunking is off (``chunking=False``): the floor here is keep/recompute's, and a
+chunked plan sums in another order, not bit for bit.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def test_without_segments_the_plan_fits_below_the_recompute_only_floor(narrow):
     assert floor.peak_bytes < without.peak_bytes
     budget = (floor.peak_bytes + without.peak_bytes) // 2
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), segments=False)
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), segments=False,
+        gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof), segments=False)
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof), segments=False,
                          offload=OPTIONS)  # fmt: skip
     assert plan.predicted_peak_bytes <= budget
     _check(ex, prof, plan, plain, budget)
@@ -79,8 +81,8 @@ def test_near_the_floor_moving_boundaries_is_faster_and_fits(narrow):
     ex, prof, plain = narrow
     _, least = least_peak_plan(prof)
     budget = int(1.02 * least.peak_bytes)
-    recompute = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
-    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS)
+    recompute = gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof))
+    plan = gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof), offload=OPTIONS)
     assert plan.predicted_step_time < recompute.predicted_step_time
     _check(ex, prof, plan, plain, budget)
 

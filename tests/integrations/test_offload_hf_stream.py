@@ -6,6 +6,8 @@ saved. Streamed offload holds a tensor or two of what a block saved instead,
 so ``offload=True`` fits at 0.9 x that floor. Each plan is run on the host-copy
 backend and checked at the allocator (peak within the budget), bit for bit
 against the plain step (dropout on), and for its host bytes (as predicted).
+Chunking is off (``chunking=False``): the floor here is keep/recompute's, and a
+chunked plan sums in another order, not bit for bit.
 """
 
 from __future__ import annotations
@@ -48,14 +50,14 @@ def planned(model):
     ex, prof, _ = model
     _, without = least_peak_plan(prof)
     budget = int(0.9 * without.peak_bytes)
-    return budget, gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=True)
+    return budget, gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof), offload=True)
 
 
 def test_offload_fits_at_nine_tenths_of_the_recompute_only_floor(model, planned):
     ex, prof, plain = model
     budget, plan = planned
     with pytest.raises(gradckpt.BudgetError):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof))
+        gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof))
     assert plan.offload is not None and plan.offload.stream
     assert any(isinstance(u.decision, Offload) for u in plan.units)
     predicted = simulate(prof, plan)
@@ -102,7 +104,7 @@ def test_fit_with_offload_plans_and_trains_within_the_budget_at_the_allocator():
     budget = int(0.9 * least_peak_plan(prof)[1].peak_bytes)
     held = state_bytes(ex.model)
     with AllocatorTracker() as allocator:
-        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, offload=True)
+        plan = gradckpt.fit(ex.model, ex.loss_fn, budget, offload=True, chunking=False)
         step = run_step(ex)
     assert plan.offload is not None and plan.offload.stream
     assert held + allocator.peak_bytes <= budget  # planning, its measured steps and a step
@@ -115,8 +117,8 @@ def test_a_host_budget_the_streamed_plan_needs_is_held_and_a_smaller_one_refuses
     budget, plan = planned
     needs = simulate(prof, plan).host_bytes
     roomy = gradckpt.OffloadOptions(host_budget=needs)
-    held = gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof), offload=roomy)
+    held = gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof), offload=roomy)
     assert held.offload.stream and simulate(prof, held).host_bytes <= needs
     with pytest.raises(gradckpt.BudgetError, match="within the host budget"):
-        gradckpt.plan(ex.model, ex.loss_fn, budget, profiling=gradckpt.ProfileOptions(profile=prof),
+        gradckpt.plan(ex.model, ex.loss_fn, budget, chunking=False, profiling=gradckpt.ProfileOptions(profile=prof),
                       offload=gradckpt.OffloadOptions(host_budget=needs // 4))  # fmt: skip
