@@ -73,7 +73,7 @@ def test_a_resident_free_chunk_earlier_work_left_is_not_reused_unseen() -> None:
 @needs_probe
 def test_glibc_settings_are_put_back() -> None:
     libc = _libc()
-    size = 40 << 20  # above the mmap threshold after exit too: fresh zero pages
+    size = 40 << 20  # above the mmap threshold: perturb fills even fresh pages
     with rss_probe():
         block = libc.malloc(size)
         assert ctypes.string_at(block, 16) == b"\xa5" * 16  # perturbed: 0x5a ^ 0xff
