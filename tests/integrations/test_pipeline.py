@@ -2,8 +2,8 @@
 
 The ranks are this file run as a script (``python test_pipeline.py MODEL OUT``);
 each builds the same decoder split in as many stages as there are ranks
-(``gradckpt.testing.pipelines``; GPT and Llama on 2 ranks, 4 micro-batches; a
-tiny Llama on 4 ranks, 8 micro-batches, so the suite stays cheap), keeps its own
+(``gradckpt.testing.pipelines``; GPT and Llama on 2 ranks, 4 micro-batches; tiny
+ones on 4 ranks, 8 micro-batches, so the suite stays cheap), keeps its own
 stage and trains it under ``Schedule1F1B`` and ``ScheduleGPipe``
 for 3 steps (AdamW): once plain, once with the stage planned by
 ``fit_stage`` for one byte budget. Every rank's allocator high-water over the 3
@@ -32,8 +32,8 @@ SETUPS = {
     2: (CONFIG, M),
     4: (dict(layers=8, d_model=32, heads=2, seq=32, vocab=128, dropout=0.1), 8),
 }
-#: (model, ranks) launched: both models on 2 ranks, one on 4.
-CASES = [("gpt", 2), ("llama", 2), ("llama", 4)]
+#: (model, ranks) launched: both models on 2 and on 4 ranks.
+CASES = [("gpt", 2), ("llama", 2), ("gpt", 4), ("llama", 4)]
 SCHEDULES = ("1f1b", "gpipe")
 #: The budget: this share of the larger of the two ranks' plain whole-step peaks (measured
 #: in the same processes), so it binds on at least one stage.
