@@ -199,9 +199,16 @@ def test_lightning_holds_a_byte_budget_for_the_whole_step(accumulation):
         # as resident throughout (set_to_none=False), an upper bound by at most their bytes.
         grads = sum(p.numel() * p.element_size() for p in planned.parameters())
         assert measured <= predicted <= measured + grads
-    # The plain run's losses (its training_step ran STEPS * accumulation times).
+    # The plain run's losses (its training_step ran STEPS * accumulation times): bit for
+    # bit, or within 1e-5 where the plan chunks (another order of sums; which plan is
+    # chosen depends on measured times: a chunked one came up in CI, 2026-12-05).
+    plan = callback.plan
+    chunked = bool(plan.token_chunks) or any(u.mode == "chunk" for u in plan.units)
     for got, want in zip(planned.losses[-len(plain.losses) :], plain.losses, strict=True):
-        assert torch.equal(got, want)
+        if chunked:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        else:
+            assert torch.equal(got, want)
 
 
 def _lightning_callback():
