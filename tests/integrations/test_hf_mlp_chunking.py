@@ -11,28 +11,20 @@ attention with dropout holds the whole score matrix) gradients still match.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import gradckpt
-from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning.kinds.chunk.token_plan import allow_token_chunking, with_token_chunks
 from gradckpt.planning.simulation.simulate import simulate
 from gradckpt.planning.solving.baselines import every_kth_plan
 
 pytest.importorskip("transformers")
 
-from gradckpt.integrations.hf.zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 
 
 def _step(ex):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(3)
-    with AllocatorTracker() as allocator:
-        loss = ex.loss_fn()
-        loss.backward()
-    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters() if p.grad is not None}
-    ex.model.zero_grad(set_to_none=True)
-    return state_bytes(ex.model) + allocator.peak_bytes, loss.detach(), grads
+    step = run_step(ex, seed=3)  # at the allocator, parameters included
+    return step.peak_bytes, step.loss, step.grads
 
 
 def _applied(ex, plan):
