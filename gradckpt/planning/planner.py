@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 from functools import cached_property
@@ -57,6 +58,9 @@ _TIGHTEN = 3
 #: Plans of the DP, spread over its memory range, that :meth:`Planner.plan` tries with MLPs
 #: chunked when no plan without fits the budget.
 _TOKEN_BASES = 6
+#: Shares of the way from the least peak without MLP chunking to the plain one where
+#: :meth:`Planner.plan` also takes the DP's plan as a base for chunking a few MLPs.
+_TOKEN_NEAR_FLOOR = (0.0, 0.01, 0.02, 0.05, 0.1)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Planner:
         self.offload = offload  # the DP may also move blocks' saved tensors over this link
         self.chunking = chunking  # the DP may also chunk the head and its loss
         self._least: tuple[Plan, Prediction] | None = None
+        self._least_unchunked: tuple[Plan, Prediction] | None = None
 
     @cached_property
     def chain(self) -> ChainModel:
@@ -175,7 +180,16 @@ class Planner:
         without that fits (:mod:`gradckpt.planning.kinds.chunk.token_plan`); None: none."""
         if not token_chunked_plans(self.profile, [none_plan(self.profile)]):
             return None  # no token-wise MLP in this step
-        bases = [self.least_peak()[0]]
+        with allow_chunking(self.chunking):
+            floor_plan, floor = self._unchunked_least()
+        bases = [floor_plan]
+        # The DP's own plans just above the floor: a few chunked MLPs take off what their
+        # hidden activations hold (a few MiB each), so those are the plans they bring down.
+        plain = self.profile.measured_peak_bytes
+        for share in _TOKEN_NEAR_FLOOR:
+            with contextlib.suppress(BudgetError):
+                bases.append(solve(self.profile, floor.peak_bytes + round(share * max(0, plain - floor.peak_bytes)),
+                                   "dp", segments=self.segments, model=self.chain, dp=self.dp))  # fmt: skip
         least = self.dp.least_feasible()
         if least is not None:
             top = self.chain.chain.capacity
@@ -198,12 +212,18 @@ class Planner:
         return self._least
 
     def _least_peak(self) -> tuple[Plan, Prediction]:
-        if self.offload is not None:
-            found = least_peak_offload(self.profile, self.offload, segments=self.segments)
-        else:
-            found = least_peak_plan(self.profile, segments=self.segments)
-        found = self._tightened(found) if self._chunks_offered() else found
+        found = self._unchunked_least()
         return token_chunked_least(self.profile, found) if self.chunking else found
+
+    def _unchunked_least(self) -> tuple[Plan, Prediction]:
+        """The leanest plan without MLPs in slices (the head may be chunked)."""
+        if self._least_unchunked is None:
+            if self.offload is not None:
+                found = least_peak_offload(self.profile, self.offload, segments=self.segments)
+            else:
+                found = least_peak_plan(self.profile, segments=self.segments)
+            self._least_unchunked = self._tightened(found) if self._chunks_offered() else found
+        return self._least_unchunked
 
     def _chunks_offered(self) -> bool:
         return self.chunking and any(

@@ -19,7 +19,12 @@ from torch import nn
 import gradckpt
 from gradckpt.measure import AllocatorTracker, state_bytes
 from gradckpt.planning import Plan
-from gradckpt.planning.kinds.chunk.token_plan import allow_token_chunking, with_token_chunks
+from gradckpt.planning.kinds.chunk.token_plan import (
+    TOKEN_CHOICES,
+    allow_token_chunking,
+    fewest_chunked,
+    with_token_chunks,
+)
 from gradckpt.planning.kinds.chunk.token_wise import token_wise_spans
 from gradckpt.planning.planner import Planner
 from gradckpt.planning.plans.errors import PlanFormatError
@@ -151,6 +156,41 @@ def test_the_planner_chunks_mlps_below_the_least_peak_without(toy):
     assert fitted.token_chunks and fitted.predicted_peak_bytes <= budget
     # Chunking costs time: one more forward of each chunked MLP.
     assert simulate(prof, fitted).recompute_time > 0
+
+
+def test_just_below_the_floor_only_the_mlps_that_set_it_are_chunked(toy):
+    # A few bytes below the least peak without chunking, one block's backward is over:
+    # chunking every MLP would pay each one's recompute and slices for that.
+    _, _, prof = toy
+    with allow_token_chunking(False):
+        base, without = Planner(prof).least_peak()
+    budget = without.peak_bytes - 1
+    for k in TOKEN_CHOICES:
+        every = with_token_chunks(prof, base, k)
+        fewest = fewest_chunked(prof, base, k, budget)
+        assert fewest is not None and simulate(prof, fewest).peak_bytes <= budget
+        assert set(fewest.token_chunks) < set(every.token_chunks)
+        assert simulate(prof, fewest).step_time < simulate(prof, every).step_time
+
+
+def test_the_planner_chunks_no_more_than_the_budget_needs(toy):
+    # Its plan leaves unchunked the MLPs its base can keep whole (the planner chunked
+    # every one of them before), and is at least as fast as any plan chunking every MLP
+    # of the leanest plan.
+    _, _, prof = toy
+    with allow_token_chunking(False):
+        base, without = Planner(prof).least_peak()
+    budget = without.peak_bytes - 1
+    plan = Planner(prof).plan(budget)
+    pred = simulate(prof, plan)
+    assert plan.token_chunks and pred.peak_bytes <= budget
+    k = plan.token_chunks[0][1]
+    all_of_base = with_token_chunks(prof, dataclasses.replace(plan, token_chunks=()), k)
+    assert set(plan.token_chunks) < set(all_of_base.token_chunks)
+    assert pred.step_time < simulate(prof, all_of_base).step_time
+    every = [simulate(prof, with_token_chunks(prof, base, k)) for k in TOKEN_CHOICES]
+    fitting = [p.step_time for p in every if p.peak_bytes <= budget]
+    assert fitting and pred.step_time <= min(fitting)
 
 
 def test_a_plan_file_with_token_chunks_is_version_2_and_reads_back(toy, tmp_path):

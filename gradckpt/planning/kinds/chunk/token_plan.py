@@ -14,8 +14,9 @@ adds into a whole one.
 
 In time it costs one more forward of the MLP (its recompute, priced from the
 profile's op times like any recompute) and ``k`` regions of the engine's own
-cost. The planner adds it only where it pays (:func:`token_chunked_plans`): a
-budget no plan without it meets, or a lower least peak.
+cost. The planner adds it only where it pays: a budget no plan without it meets
+(:func:`token_chunked_fit`, chunking the fewest MLPs that bring a plan within it),
+or a lower least peak (:func:`token_chunked_least`, all of them).
 
 Example:
     >>> chunked = with_token_chunks(prof, plan, 8)
@@ -41,8 +42,9 @@ from gradckpt.planning.solving.baselines import every_kth_plan, finish
 from gradckpt.profiling.records import Profile
 
 __all__ = [
-    "TOKEN_CHOICES", "add_token_regions", "allow_token_chunking", "token_chunk_effect",
-    "token_chunked_fit", "token_chunked_least", "token_chunked_plans", "with_token_chunks",
+    "TOKEN_CHOICES", "add_token_regions", "allow_token_chunking", "fewest_chunked",
+    "token_chunk_effect", "token_chunked_fit", "token_chunked_least", "token_chunked_plans",
+    "with_token_chunks",
 ]  # fmt: skip
 
 #: Slice counts the planner tries for MLPs (at least MIN_ROWS tokens a slice).
@@ -217,8 +219,44 @@ def token_chunked_least(
     return finish(profile, best[0], None, f"{found[0].solver or 'dp'}+mlp-chunk", best[1])
 
 
+def fewest_chunked(profile: Profile, plan: Plan, k: int, budget: int) -> Plan | None:
+    """``plan`` with as few of its MLPs in ``k`` slices as bring it within ``budget``
+    (None: not even all of them do).
+
+    Each chunked MLP costs its recompute and ``k`` regions, so chunking all of them
+    to shave a few KiB off one block's backward would cost the step for nothing.
+    The MLPs are taken in the order of what each alone takes off the peak (most
+    first; then the faster; then the step's order: the peak moves on to the next
+    block's backward), and the first prefix of that order that fits is the plan:
+    ``2n`` simulations for ``n`` MLPs, not ``n**2``.
+
+    Example:
+        >>> fewest_chunked(prof, plan, 2, budget).token_chunks
+        (('vit.layers.0.mlp', 2),)
+    """
+    eligible = _eligible(profile, plan, k)
+    if not eligible:
+        return None
+    if simulate(profile, dataclasses.replace(plan, token_chunks=eligible)).peak_bytes > budget:
+        return None
+    alone = []
+    for i, item in enumerate(eligible):
+        pred = simulate(profile, dataclasses.replace(plan, token_chunks=(item,)))
+        alone.append((pred.peak_bytes, pred.step_time, i))
+    order = [eligible[i] for _, _, i in sorted(alone)]
+    for n in range(1, len(order) + 1):
+        chosen = set(order[:n])
+        candidate = dataclasses.replace(
+            plan, token_chunks=tuple(item for item in eligible if item in chosen)
+        )
+        if simulate(profile, candidate).peak_bytes <= budget:
+            return candidate
+    return None  # unreachable: all of them fit (checked above)
+
+
 def token_chunked_fit(profile: Profile, budget: int, bases: list[Plan]) -> Plan | None:
-    """The fastest plan within ``budget`` among ``bases`` with their MLPs chunked (None: none fits).
+    """The fastest plan within ``budget`` among ``bases`` with the fewest of their MLPs
+    chunked that fit, in each slice count (None: none fits).
 
     ``bases`` are plans without MLP chunking at several peaks (the DP's, the leanest):
     the planner asks this only when none of them meets ``budget`` as it is.
@@ -226,9 +264,13 @@ def token_chunked_fit(profile: Profile, budget: int, bases: list[Plan]) -> Plan 
     Example:
         >>> token_chunked_fit(prof, budget, [least_plan, *dp_plans])
     """
-    if not _TOKEN_ALLOWED.get():
+    if not _TOKEN_ALLOWED.get() or not chunking_allowed():
         return None
-    best = _best(profile, token_chunked_plans(profile, bases), budget)
+    candidates = [
+        plan for base in bases for k in TOKEN_CHOICES
+        if (plan := fewest_chunked(profile, base, k, budget)) is not None
+    ]  # fmt: skip
+    best = _best(profile, candidates, budget)
     if best is None:
         return None
     return finish(profile, best[0], budget, "dp+mlp-chunk", best[1])[0]
