@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gradckpt.measure.beside import malloc_in_use
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,10 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     for model in data["models"].values():
         runs = model["runs"]
         assert runs["plain"]["peak_bytes"] > runs["hf"]["peak_bytes"] > 0
-        assert runs["gradckpt@hf"]["budget_bytes"] == runs["hf"]["peak_bytes"]
+        # The budget is transformers' step at the level a byte budget is held on the CPU.
+        hf = runs["hf"]
+        assert runs["gradckpt@hf"]["budget_bytes"] == hf["peak_bytes"] + hf["beside_bytes"]
+        if malloc_in_use() is not None:  # glibc: autograd's graph is malloc's
+            assert hf["beside_bytes"] > 0
         assert runs["gradckpt@half"]["grad_max_abs_diff"] <= 1e-5
     assert data["info"]["quick"] is True and "transformers" in data["info"]

@@ -23,6 +23,7 @@ import transformers as tf
 from torch import nn
 
 from gradckpt.measure.allocator import AllocatorTracker
+from gradckpt.measure.beside import BesideReading
 from gradckpt.measure.memory import MemoryTracker, state_bytes
 from gradckpt.profiling.units import find_blocks
 from gradckpt.testing import Example
@@ -181,13 +182,16 @@ class Step:
 
     ``peak_bytes`` is at the allocator (kernel workspaces included) plus the
     model's parameters and buffers, the level plans are made for;
-    ``tensor_peak_bytes`` is the tensor tracker's.
+    ``tensor_peak_bytes`` is the tensor tracker's; ``beside_bytes`` what malloc held
+    beside the allocator's blocks at most (autograd's graph, Python objects: on the CPU a
+    byte budget holds them too), when asked for.
     """
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     peak_bytes: int
     tensor_peak_bytes: int = 0
+    beside_bytes: int = 0
 
     def max_grad_diff(self, other: Step) -> float:
         """Largest absolute gradient difference; inf if they differ in which params got one."""
@@ -202,10 +206,14 @@ class Step:
         )
 
 
-def run_step(example: Example, seed: int = 0) -> Step:
+def run_step(example: Example, seed: int = 0, beside: bool = False) -> Step:
     """Seed, run ``loss_fn().backward()`` measured at the allocator and by the tensor tracker.
 
-    Gradients are cleared after.
+    With ``beside``, also what malloc held beside the allocator's blocks, less what the
+    step left held (a library's one-time buffer, :class:`~gradckpt.measure.beside.
+    BesideReading`): with ``peak_bytes``, the step's memory at the level a byte budget is
+    held on the CPU. The tensor tracker's own records would read as beside, so it does
+    not run then (``tensor_peak_bytes`` 0). Gradients are cleared after.
 
     Example:
         >>> plain = run_step(ex); gradckpt.fit(ex.model, ex.loss_fn, 0.7)
@@ -215,10 +223,15 @@ def run_step(example: Example, seed: int = 0) -> Step:
     model = example.model
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with AllocatorTracker() as allocator, MemoryTracker(model) as tracker:
+    tracking = contextlib.nullcontext(None) if beside else MemoryTracker(model)
+    with AllocatorTracker() as allocator, tracking as tracker:
+        reading = BesideReading(allocator, less_kept=True) if beside else None
         loss = example.loss_fn()
+        if reading is not None:
+            reading.forward_done(loss)
         loss.backward()
+    held = reading.bytes() if reading is not None else 0
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     peak = state_bytes(model) + allocator.peak_bytes
-    return Step(loss.detach(), grads, peak, tracker.peak_bytes)
+    return Step(loss.detach(), grads, peak, tracker.peak_bytes if tracker else 0, held)
