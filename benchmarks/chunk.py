@@ -41,13 +41,14 @@ import gradckpt
 from benchmarks.harness import (
     MiB,
     base_parser,
+    fmt_interval,
     info_block,
     load_average,
     machine_info,
     markdown_table,
     per_block,
     plain,
-    read_results,
+    rerender,
     settle,
     torch_checkpoint,
     with_plan,
@@ -196,12 +197,6 @@ def run_model(name: str, family: str, sizes: dict[str, Any], args: Any) -> dict[
             "budgets": budgets, "plain_peak": top, "rows": measured}  # fmt: skip
 
 
-def _pct(r: tuple[float, float, float] | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r[0] - 1:+.1%} [{r[1] - 1:+.1%}, {r[2] - 1:+.1%}]"
-
-
 def report(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     out = [
         "# Chunking the head and the loss (#41), CPU",
@@ -227,7 +222,7 @@ def report(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
             budget = row.get("budget")
             fits = "-" if budget is None or row["peak"] is None else (
                 "yes" if row["peak"] <= budget else "**no**")  # fmt: skip
-            overhead = _pct(row.get("ratio"))
+            overhead = fmt_interval(row.get("ratio"))
             if row.get("kind") == "offload" and row.get("predicted_overhead") is not None:
                 overhead = f"{row['predicted_overhead']:+.1%} (simulated)"
             rows.append([
@@ -247,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settle(args)
     if args.from_json is not None:  # re-render an earlier run's report, measuring nothing
-        data = read_results(args.from_json)
-        markdown = report(data["results"], data["info"])
-        md, js = write_results(args.out, "chunk", markdown, data, date=data["info"]["date"])
-        print(markdown)
+        rerender(args.from_json, args.out, "chunk", report)
         return 0
     models = QUICK if args.quick else FULL
     before = load_average()

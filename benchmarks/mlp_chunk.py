@@ -29,12 +29,13 @@ import gradckpt
 from benchmarks.harness import (
     MiB,
     base_parser,
+    fmt_interval,
     info_block,
     load_average,
     machine_info,
     markdown_table,
     plain,
-    read_results,
+    rerender,
     settle,
     with_plan,
     write_results,
@@ -103,10 +104,6 @@ def run_model(name: str, sizes: dict[str, Any], args: Any) -> dict[str, Any]:
     return {"name": name, "sizes": sizes, "rows": measured}
 
 
-def _pct(r: Any) -> str:
-    return "-" if r is None else f"{r[0] - 1:+.1%} [{r[1] - 1:+.1%}, {r[2] - 1:+.1%}]"
-
-
 def report(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     out = [
         "# MLPs chunked along the tokens (#41 item 3), CPU",
@@ -132,7 +129,7 @@ def report(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
              row["plan"] + (f"; MLPs in {row['token_chunks'][0][1]} slices"
                             if row.get("token_chunks") else ""),
              f"{row['predicted'] / MiB:.2f} MiB", f"{row['peak'] / MiB:.2f} MiB",
-             _pct(row.get("ratio"))]
+             fmt_interval(row.get("ratio"))]
             for label, row in rows_.items()
         ]  # fmt: skip
         out += [markdown_table(
@@ -147,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settle(args)
     if args.from_json is not None:  # re-render an earlier run's report, measuring nothing
-        data = read_results(args.from_json)
-        markdown = report(data["results"], data["info"])
-        write_results(args.out, "mlp-chunk", markdown, data, date=data["info"]["date"])
-        print(markdown)
+        rerender(args.from_json, args.out, "mlp-chunk", report)
         return 0
     models = QUICK if args.quick else FULL
     before = load_average()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,16 @@ def mib(nbytes: float | None) -> str:
 def fmt_ratio(value: float | None) -> str:
     """A ratio with three decimals; ``n/a`` for None."""
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def fmt_interval(r: Sequence[float] | None) -> str:
+    """A ratio's median and interval (``median_interval``'s triple) as percentages over 1.
+
+    Example:
+        >>> fmt_interval((1.05, 0.98, 1.12))
+        '+5.0% [-2.0%, +12.0%]'
+    """
+    return "-" if r is None else f"{r[0] - 1:+.1%} [{r[1] - 1:+.1%}, {r[2] - 1:+.1%}]"
 
 
 def verdict(met: bool) -> str:
@@ -73,3 +83,18 @@ def write_results(
 def read_results(path: Path) -> dict[str, Any]:
     """The data an earlier run wrote (``--from-json``)."""
     return json.loads(Path(path).read_text())
+
+
+def rerender(
+    source: Path, out: Path, what: str, report: Callable[[Any, dict[str, Any]], str]
+) -> tuple[Path, Path]:
+    """Write the report of an earlier run's ``{"results", "info"}`` JSON again, measuring
+    nothing (``--from-json``), under the run's own date; prints the Markdown.
+
+    Example:
+        >>> rerender(Path("chunk-cpu-2026-12-04.json"), RESULTS, "chunk", report)
+    """
+    data = read_results(source)
+    markdown = report(data["results"], data["info"])
+    print(markdown)
+    return write_results(out, what, markdown, data, date=data["info"]["date"])
