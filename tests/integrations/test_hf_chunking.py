@@ -13,25 +13,13 @@ import pytest
 import torch
 
 import gradckpt
-from gradckpt.measure import AllocatorTracker, state_bytes
 
 pytest.importorskip("transformers")
 
-from gradckpt.integrations.hf.zoo import hf_example
+from gradckpt.integrations.hf.zoo import hf_example, run_step
 from gradckpt.integrations.peft_zoo import lora_example
 
 SIZES = dict(layers=2, hidden=64, heads=4, seq=128, batch=2, vocab=32000)
-
-
-def _step(ex):
-    ex.model.zero_grad(set_to_none=True)
-    torch.manual_seed(3)
-    with AllocatorTracker() as allocator:
-        loss = ex.loss_fn()
-        loss.backward()
-    grads = {k: p.grad.clone() for k, p in ex.model.named_parameters() if p.grad is not None}
-    ex.model.zero_grad(set_to_none=True)
-    return state_bytes(ex.model) + allocator.peak_bytes, loss.detach(), grads
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "llama+lora", "gpt2+autocast"])
@@ -46,7 +34,7 @@ def test_a_causal_lm_called_with_labels_fits_below_the_loss_floor(name, one_thre
     else:
         ex = hf_example(name, **SIZES)
     ex.model.config.use_cache = False
-    plain_peak, plain_loss, plain_grads = _step(ex)
+    plain = run_step(ex, seed=3)
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=1)
     _, floor = gradckpt.Planner(prof, chunking=False).least_peak()
     budget = int(0.85 * floor.peak_bytes)
@@ -55,15 +43,16 @@ def test_a_causal_lm_called_with_labels_fits_below_the_loss_floor(name, one_thre
     assert len(chunked) == 1 and chunked[0].path.endswith("lm_head")
     gradckpt.apply(ex.model, plan)
     try:
-        peak, loss, grads = _step(ex)
+        step = run_step(ex, seed=3)
     finally:
         gradckpt.remove(ex.model)
-    assert peak <= budget < plain_peak
+    peak = step.peak_bytes
+    assert peak <= budget < plain.peak_bytes
     assert abs(plan.predicted_peak_bytes - peak) <= 0.02 * peak, (plan.predicted_peak_bytes, peak)
-    assert abs(loss - plain_loss) <= tolerance * abs(plain_loss)
-    assert grads.keys() == plain_grads.keys()
-    for k, ref in plain_grads.items():
-        assert (grads[k] - ref).norm() <= tolerance * ref.norm(), k
+    assert abs(step.loss - plain.loss) <= tolerance * abs(plain.loss)
+    assert step.grads.keys() == plain.grads.keys()
+    for k, ref in plain.grads.items():
+        assert (step.grads[k] - ref).norm() <= tolerance * ref.norm(), k
 
 
 def test_the_output_logits_are_lazy_and_right_when_read():
