@@ -25,7 +25,9 @@ Targets (issue #16's Done-when): every gradckpt peak within its budget; at
 transformers' peak, overhead no worse than transformers'; at the halfway budget,
 at most half of it; every predicted overhead within 10 points (or 25% relative,
 whichever is larger) of the measured median. Overheads are medians of per-round
-ratios over ``plain`` in the same round, with their min-max spread.
+ratios over ``plain`` in the same round, with their min-max spread. Issue #42's
+row: ``gradckpt@hf``'s step over ``hf``'s, paired by round, its median with a
+bootstrap 95% interval, met when the interval's upper end is at most 1.00.
 
 Usage:
     python -m benchmarks.hf_models --repeats 5  # full run (~10 min on a loaded 2-core CPU)
@@ -60,6 +62,7 @@ from benchmarks.harness import (
     machine_info,
     make_step,
     markdown_table,
+    median_interval,
     mib,
     settle,
     step_clock,
@@ -239,6 +242,10 @@ def bench_model(name: str, sizes: dict[str, Any], args: Any, log=print) -> dict[
         runs[c].round_ratios = tuple(
             t / p for t, p in zip(timing.times, timings["plain"].times, strict=True)
         )
+    if "hf" in timings and "gradckpt@hf" in timings:  # at one memory: the plans against hf's
+        runs["gradckpt@hf"].info["paired_vs_hf"] = median_interval(
+            [t / h for t, h in zip(timings["gradckpt@hf"].times, timings["hf"].times, strict=True)]
+        )
     for run in runs.values():
         run.info.pop("step", None)
         clear_grads(run.example.model)
@@ -298,6 +305,16 @@ def targets(runs: dict[str, Run]) -> list[tuple[str, str, str, bool]]:
             o_hf is not None and o_hf <= hf_over,
         )
     )
+    paired = at_hf.info.get("paired_vs_hf")
+    if paired is not None:
+        rows.append(
+            (
+                "gradckpt@hf step / hf's, paired by round",
+                "<= 1.00 (interval's upper end)",
+                f"{paired[0]:.3f} [{paired[1]:.3f}, {paired[2]:.3f}]",
+                paired[2] <= 1.0,
+            )
+        )
     o_half = _overhead(half)
     rows.append(
         (
@@ -450,6 +467,7 @@ def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tupl
                     "measured_overhead_median": _overhead(r),
                     "measured_overhead_spread": _spread(r),
                     "fit_measured_overhead": r.plan.measured_overhead if r.plan else None,
+                    "paired_vs_hf": r.info.get("paired_vs_hf"),
                     "grad_max_abs_diff": r.grad_diff,
                     "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
                     "predicted_overhead": r.plan.predicted_overhead if r.plan else None,
