@@ -180,16 +180,16 @@ class Planner:
         without that fits (:mod:`gradckpt.planning.kinds.chunk.token_plan`); None: none."""
         if not token_chunked_plans(self.profile, [none_plan(self.profile)]):
             return None  # no token-wise MLP in this step
-        with allow_chunking(self.chunking):
-            floor_plan, floor = self._unchunked_least()
+        floor_plan, floor = self._unchunked_least()
         bases = [floor_plan]
         # The DP's own plans just above the floor: a few chunked MLPs take off what their
         # hidden activations hold (a few MiB each), so those are the plans they bring down.
-        plain = self.profile.measured_peak_bytes
+        spread = max(0, self.profile.measured_peak_bytes - floor.peak_bytes)
         for share in _TOKEN_NEAR_FLOOR:
+            near = floor.peak_bytes + round(share * spread)
             with contextlib.suppress(BudgetError):
-                bases.append(solve(self.profile, floor.peak_bytes + round(share * max(0, plain - floor.peak_bytes)),
-                                   "dp", segments=self.segments, model=self.chain, dp=self.dp))  # fmt: skip
+                bases.append(solve(self.profile, near, "dp", segments=self.segments,
+                                   model=self.chain, dp=self.dp))  # fmt: skip
         least = self.dp.least_feasible()
         if least is not None:
             top = self.chain.chain.capacity
