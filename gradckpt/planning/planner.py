@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from gradckpt.engine.decisions import Chunk
@@ -175,7 +175,11 @@ class Planner:
         without that fits (:mod:`gradckpt.planning.kinds.chunk.token_plan`); None: none."""
         if not token_chunked_plans(self.profile, [none_plan(self.profile)]):
             return None  # no token-wise MLP in this step
-        bases = [self.least_peak()[0]]
+        # The leanest plan's own base (it without its slices) first: every budget at or
+        # above the least peak this planner reports is then met, as its docstring says;
+        # the DP's bases alone may miss it (a Llama whose leanest chunks the MLPs of
+        # every-block recompute, which no DP schedule is).
+        bases = [replace(self.least_peak()[0], token_chunks=())]
         least = self.dp.least_feasible()
         if least is not None:
             top = self.chain.chain.capacity
