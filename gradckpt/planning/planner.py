@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from gradckpt.engine.decisions import Chunk
@@ -181,7 +181,11 @@ class Planner:
         if not token_chunked_plans(self.profile, [none_plan(self.profile)]):
             return None  # no token-wise MLP in this step
         floor_plan, floor = self._unchunked_least()
-        bases = [floor_plan]
+        # The leanest plan's own base (it without its slices) too: every budget at or
+        # above the least peak this planner reports is then met, as its docstring says;
+        # the DP's bases alone may miss it (a Llama whose leanest chunks the MLPs of
+        # every-block recompute, which no DP schedule is).
+        bases = [floor_plan, replace(self.least_peak()[0], token_chunks=())]
         # The DP's own plans just above the floor: a few chunked MLPs take off what their
         # hidden activations hold (a few MiB each), so those are the plans they bring down.
         spread = max(0, self.profile.measured_peak_bytes - floor.peak_bytes)
