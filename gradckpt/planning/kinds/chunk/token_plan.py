@@ -120,7 +120,33 @@ def token_chunk_effect(profile: Profile, plan: Plan) -> StepEffect | None:
         if span.input >= 0:  # each slice's input gradient lands in a whole one, then added
             buffers.append(Buffer(storages[span.input].nbytes, span.backward_start,
                                   span.backward_stop))  # fmt: skip
+        buffers += _weight_gradients(profile, span)
     return StepEffect(resized=resized, buffers=tuple(buffers))
+
+
+def _weight_gradients(profile: Profile, span: TokenSpan) -> list[Buffer]:
+    """The MLP's parameters' gradients as its slices make them.
+
+    Each slice uses the weights, so autograd gathers a weight's gradient from every
+    slice before it is handed on: the first slice's backward makes it whole, where
+    the plain step makes it later in the MLP's backward, and while each later slice's
+    is added one more of its size is live (counted where the plain step makes it).
+    Without these, a wide MLP over few tokens measured 15% over its prediction; with
+    them predictions are at or above the allocator's peak (by 0.4% on HF ViT, by up
+    to 4% on a toy MLP 8x wide over 64 tokens).
+    """
+    grads = set(profile.grad_storages)
+    start, stop = span.backward_start, span.backward_stop
+    made = [
+        s for op in profile.ops[profile.forward_ops :]
+        if op.unit == span.unit and start <= op.position <= stop
+        for s in op.outputs if s in grads
+    ]  # fmt: skip
+    storages = profile.storages
+    early = [Buffer(storages[s].nbytes, start, max(start, storages[s].alloc)) for s in made]
+    adding = [Buffer(storages[s].nbytes, storages[s].alloc - 1, storages[s].alloc + 1)
+              for s in made]  # fmt: skip
+    return early + adding
 
 
 def _eligible(profile: Profile, plan: Plan, k: int) -> tuple[tuple[str, int], ...]:
