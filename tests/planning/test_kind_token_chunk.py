@@ -99,6 +99,14 @@ def _step(net, loss_fn):
     return state_bytes(net) + allocator.peak_bytes, loss.detach(), grads
 
 
+def _step_under(net, loss_fn, plan):
+    gradckpt.apply(net, plan)
+    try:
+        return _step(net, loss_fn)
+    finally:
+        gradckpt.remove(net)
+
+
 @pytest.fixture(scope="module")
 def toy():
     net, loss_fn = _example()
@@ -218,11 +226,7 @@ def test_a_chunked_plan_measures_what_it_predicts_and_gradients_match(
     plan = with_token_chunks(prof, plain, chunks)
     assert len(plan.token_chunks) == 3
     pred = simulate(prof, plan)
-    gradckpt.apply(net, plan)
-    try:
-        peak, loss, grads = _step(net, loss_fn)
-    finally:
-        gradckpt.remove(net)
+    peak, loss, grads = _step_under(net, loss_fn, plan)
     assert peak < plain_peak
     assert abs(pred.peak_bytes - peak) <= 0.02 * peak, (pred.peak_bytes, peak)
     assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss)
@@ -273,11 +277,7 @@ def test_the_weights_gradients_of_a_chunked_mlp_are_counted_from_its_first_slice
     plan = with_token_chunks(prof, plain, 2)
     assert plan.token_chunks
     pred = simulate(prof, plan)
-    gradckpt.apply(net, plan)
-    try:
-        peak, _, _ = _step(net, loss_fn)
-    finally:
-        gradckpt.remove(net)
+    peak, _, _ = _step_under(net, loss_fn, plan)
     assert peak <= pred.peak_bytes <= 1.05 * peak, (pred.peak_bytes, peak)
 
 
