@@ -8,6 +8,7 @@ Example:
 """
 
 from gradckpt.measure.allocator import AllocatorTracker, MemoryEvents
+from gradckpt.measure.beside import TensorsOnlyWarning
 from gradckpt.measure.device import DeviceMemory, device_memory
 from gradckpt.measure.engine_costs import EngineCosts
 from gradckpt.measure.flops import FlopCount, count_flops, count_ops
@@ -26,6 +27,7 @@ __all__ = [
     "OptimizerMemory",
     "OptimizerMemoryError",
     "StorageWatcher",
+    "TensorsOnlyWarning",
     "Timing",
     "count_flops",
     "count_ops",

@@ -34,9 +34,18 @@ if TYPE_CHECKING:
     from gradckpt.measure.allocator import AllocatorTracker
 
 __all__ = [
-    "BesideReading", "MallInfo2", "graph_nodes", "mall_info", "malloc_in_use", "tracker_bytes",
-    "warn_tensors_only",
+    "BesideReading", "MallInfo2", "TensorsOnlyWarning", "graph_nodes", "mall_info",
+    "malloc_in_use", "tracker_bytes", "warn_tensors_only",
 ]  # fmt: skip
+
+
+class TensorsOnlyWarning(UserWarning):
+    """A byte budget was planned for the step's tensors alone (:func:`warn_tensors_only`):
+    on the CPU, what malloc holds beside them is not inside it.
+
+    Example:
+        >>> warnings.simplefilter("error", TensorsOnlyWarning)  # refuse such budgets instead
+    """
 
 
 class MallInfo2(ctypes.Structure):
@@ -224,5 +233,6 @@ def warn_tensors_only(budget_bytes: int, holds_both: int | None, stacklevel: int
         f"them on the CPU (autograd's graph, Python objects){both}. Planned for the tensors "
         "alone, as a GPU's memory counts them; raise the budget to hold the process's "
         "whole memory.",
+        TensorsOnlyWarning,
         stacklevel=stacklevel,
     )
