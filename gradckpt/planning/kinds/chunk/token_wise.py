@@ -73,6 +73,8 @@ class TokenSpan:
     packs: tuple[int, ...]
     backward_start: int
     backward_stop: int
+    #: Parameters' gradients its backward makes (they outlive it, whole).
+    weight_grads: tuple[int, ...] = ()
 
     def slice_bytes(self, nbytes: int, chunks: int) -> int:
         """Bytes of one (the largest) slice of a per-token storage of ``nbytes``."""
@@ -118,15 +120,19 @@ def _span(profile: Profile, call: SubCallRecord) -> TokenSpan | None:
         return None
     start = min(profile.packs[p].unpack for p in used) - 8
     stop = max(profile.packs[p].release for p in used) + 12
-    backward = frozenset(
+    made_back = [
         s for op in profile.ops[profile.forward_ops :]
         if op.unit == call.unit and start <= op.position <= stop
         for s in op.outputs
+    ]  # fmt: skip
+    backward = frozenset(
+        s for s in made_back
         if storages[s].shape and rows_of(storages[s].shape) == rows and storages[s].free <= stop
     )  # fmt: skip
+    grads = set(profile.grad_storages)
     return TokenSpan(
         call.path, call.unit, call.first_op, call.end_op, rows, call.input, call.output,
-        forward, backward, packs, start, stop,
+        forward, backward, packs, start, stop, tuple(s for s in made_back if s in grads),
     )  # fmt: skip
 
 
