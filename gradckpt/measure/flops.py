@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gradckpt.engine import counts_as_op
 
-__all__ = ["FlopCount", "count_flops", "count_ops"]
+__all__ = ["FlopCount", "count_flops", "count_matmul_flops", "count_ops"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +82,36 @@ def count_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Counter[str]
     for func, n in counter.counts.items():
         names[str(func)] += n
     return names
+
+
+_MATMULS = frozenset({"mm", "addmm", "addmm_"})
+
+
+class _MatmulFlops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _MATMULS:
+            a, b = args[:2] if name == "mm" else args[1:3]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def count_matmul_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """Run ``fn(*args, **kwargs)`` and count the FLOPs of its 2-D matmuls.
+
+    ``mm`` and ``addmm`` in every form, ``out=`` and in-place included (torch's
+    FlopCounterMode misses an ``mm`` written into a slice of a buffer, which the
+    chunked head's backward does).
+
+    Example:
+        >>> count_matmul_flops(torch.mm, torch.ones(2, 3), torch.ones(3, 4))
+        48
+    """
+    counter = _MatmulFlops()
+    with counter:
+        fn(*args, **kwargs)
+    return counter.flops

@@ -15,6 +15,7 @@ from torch import nn
 
 from gradckpt.engine.chunking import LinearHead, chunked_cat, chunked_cross_entropy, token_slices
 from gradckpt.measure import AllocatorTracker
+from gradckpt.measure.flops import count_matmul_flops
 
 N, H, V = 37, 16, 50  # 37 tokens: no chunk count below divides it
 
@@ -197,3 +198,48 @@ def test_chunked_peak_is_a_slice_of_the_logits_not_the_whole(kind, trainable_hea
         # What one slice holds at once (three slice-sized logits), the input's
         # gradient and the weight's being accumulated; nothing of the whole logits.
         assert chunked <= 3 * logits_bytes / chunks + weight_grad + 2 * x0.numel() * 4 + (64 << 10)
+
+
+def _mm_flops(step) -> int:
+    """Matmul FLOPs of ``step()`` and, if it returns a loss that needs one, its backward."""
+
+    def run() -> None:
+        loss = step()
+        if loss.requires_grad:
+            loss.backward()
+
+    return count_matmul_flops(run)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_a_linear_head_computes_its_gradients_once_in_the_forward(chunks):
+    """A LinearHead's chunked loss runs the plain step's matmuls and no more (no
+    recompute of the logits in backward); under no_grad only the forward's."""
+    hidden, head, labels = _setup()
+    plain = _mm_flops(lambda: F.cross_entropy(head(hidden), labels))
+    linear = LinearHead(head.weight, head.bias)
+    got = _mm_flops(lambda: chunked_cross_entropy(hidden, linear, labels, chunks=chunks))
+    assert got == plain
+    with torch.no_grad():
+        forward_only = _mm_flops(lambda: chunked_cross_entropy(hidden, linear, labels, chunks=chunks))
+    assert forward_only == plain // 3  # the logits' matmul; backward has two of its size
+
+
+@pytest.mark.parametrize("upstream", [1.0, 3.0, 1 / 3])
+def test_the_early_gradients_take_the_loss_upstream_gradient(upstream):
+    hidden, head, labels = _setup()
+    ref = F.cross_entropy(head(hidden), labels) * upstream
+    got = chunked_cross_entropy(hidden, LinearHead(head.weight, head.bias), labels, chunks=4)
+    _same_loss_and_grads(got * upstream, ref, hidden, head)
+
+
+def test_a_second_backward_through_an_early_linear_head_recomputes_the_same_gradients():
+    hidden, head, labels = _setup()
+    ref = _grads(F.cross_entropy(head(hidden), labels), hidden, head)
+    params = [hidden, *head.parameters()]
+    loss = chunked_cross_entropy(hidden, LinearHead(head.weight, head.bias), labels, chunks=3)
+    first = torch.autograd.grad(loss * 2.0, params, retain_graph=True)
+    second = torch.autograd.grad(loss, params)
+    for a, b, r in zip(first, second, ref):
+        _close(a, 2.0 * r)
+        _close(b, r)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import gradckpt
 from gradckpt.engine.decisions import Chunk, Keep, Recompute
+from gradckpt.measure.flops import count_matmul_flops
 from gradckpt.planning import Plan, UnitChoice
 from gradckpt.planning.kinds.chunk.handler import allow_chunking
 from gradckpt.planning.kinds.chunk.span import head_span
@@ -171,3 +172,28 @@ def test_a_chunk_plan_run_on_a_step_that_reads_the_logits_is_right_and_says_so()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
     for g, r in zip(grads, ref_grads):
         assert (g - r).norm() <= 1e-5 * r.norm()
+
+
+def test_a_linear_heads_chunks_recompute_nothing_and_its_step_runs_the_plain_matmuls(zoo):
+    """An ``nn.Linear`` head's chunked loss makes its gradients in the forward: the
+    plan is priced with no recompute, and the step's matmul FLOPs are the plain step's."""
+    ex, prof, _ = zoo.get("gpt")
+    assert head_span(prof).linear
+    items = tuple(
+        UnitChoice(u.path, Chunk(4) if u.path == "lm_head" else Keep()) for u in prof.units
+    )  # fmt: skip
+    pred = simulate(prof, Plan(items, prof.fingerprint))
+    assert pred.recompute_flops == 0 and pred.recompute_time == 0.0
+    step = lambda: ex.loss_fn().backward()  # noqa: E731
+    torch.manual_seed(7)
+    plain_flops = count_matmul_flops(step)
+    gradckpt.apply(ex.model, Plan(items, prof.fingerprint))
+    try:
+        torch.manual_seed(7)
+        chunked_flops = count_matmul_flops(step)
+    finally:
+        gradckpt.remove(ex.model)
+    ex.model.zero_grad(set_to_none=True)
+    # The lazy logits' probe of the head's output shape: one row's matmul.
+    hidden, vocab = ex.model.lm_head.in_features, ex.model.lm_head.out_features
+    assert chunked_flops == plain_flops + 2 * hidden * vocab

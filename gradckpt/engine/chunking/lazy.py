@@ -90,8 +90,15 @@ def lazy_logits(
         >>> loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
     """
     source = HeadSource(head, chunks, name=name, autocast=_autocast_state(hidden.device.type))
-    with torch.no_grad():
-        probe = source.call(hidden.reshape(-1, hidden.shape[-1])[:1])
+    # The probe's cast of the head's weight must not stay in autocast's cache until
+    # the forward ends: the chunked loss makes its own, and two would be held.
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with torch.no_grad():
+            probe = source.call(hidden.reshape(-1, hidden.shape[-1])[:1])
+    finally:
+        torch.set_autocast_cache_enabled(cache)
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in _parameters(head))
     )

@@ -29,3 +29,8 @@ class Region:
     #: The module a token-wise region runs in slices (an MLP inside a block); "" for a
     #: unit's or a segment's region.
     label: str = ""
+    #: Whether backward recomputes it. A linear head's chunked loss does its backward's
+    #: work in the forward (:mod:`gradckpt.engine.chunking.linear_loss`): its saved
+    #: tensors are dropped as a region's, nothing runs again (the plan's effect places
+    #: the backward's storages in the forward).
+    reruns: bool = True

@@ -7,7 +7,9 @@ chunking is switched off (:func:`allow_chunking`, which ``Planner(chunking=False
 and ``chunking=False`` on the API verbs use). In profile terms a chunked head is
 a region over the head and the loss whose per-token storages are one slice's
 size (:mod:`.effect`), entered once per slice; its recompute reruns the head and
-the loss once in all. At run time the head returns lazy logits
+the loss once in all, except after a plain ``nn.Linear`` head, whose chunked loss
+makes its gradients in the forward and reruns nothing (its region's storages are
+simulated as a recompute's, its ops are not priced twice). At run time the head returns lazy logits
 (:mod:`gradckpt.engine.chunking.lazy`) and the loss consumes them slice by slice.
 """
 
@@ -85,6 +87,11 @@ class _HeadCall:
         return self.plain(hidden, *self.rest, **self.kwargs)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a subclass that keeps its forward (torchtitan's ``Linear``)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 class ChunkHandler(KindHandler):
     """The head and its loss in ``chunks`` slices; see the module docstring."""
 
@@ -107,7 +114,7 @@ class ChunkHandler(KindHandler):
         self, profile: Profile, unit: UnitRecord, decision: Decision, look: Lookup
     ) -> float:
         span = span_of(profile, unit)
-        if span is None:
+        if span is None or span.linear:  # a linear head: gradients made in the forward
             return 0.0
         return sum(op.time for op in profile.ops[span.first_op : span.end_op])
 
@@ -116,8 +123,10 @@ class ChunkHandler(KindHandler):
         assert isinstance(decision, Chunk)
         if span is None:
             return EngineCounts()
-        ops = span.end_op - span.first_op
         k = decision.chunks
+        if span.linear:  # no region: one autograd call per slice, nothing replayed
+            return EngineCounts(regions=k)
+        ops = span.end_op - span.first_op
         return EngineCounts(regions=k, recompute_ops=k * ops, saved_tensors=k * span.saved)
 
     def region(self, profile: Profile, unit: UnitRecord, decision: Decision) -> Region | None:
@@ -131,7 +140,7 @@ class ChunkHandler(KindHandler):
             )
         return Region(
             [unit.index], span.first_op, span.end_op, frozenset(), frozenset(unit.inputs),
-            packs=list(span.loss_packs), repeats=decision.chunks,
+            packs=list(span.loss_packs), repeats=decision.chunks, reruns=not span.linear,
         )  # fmt: skip
 
     def plan_effect(self, profile: Profile, plan: Any) -> StepEffect | None:
@@ -145,7 +154,7 @@ class ChunkHandler(KindHandler):
         if in_recompute or not args or not isinstance(args[0], torch.Tensor):
             return unit.call_in_region(args, kwargs)  # as the segment's forward ran it
         module = unit.module
-        if type(module) is nn.Linear and len(args) == 1 and not kwargs:
+        if _plain_linear(module) and len(args) == 1 and not kwargs:
             head: Any = LinearHead(module.weight, module.bias)  # backward done in place
         else:
             head = _HeadCall(unit.plain, args[1:], kwargs)
