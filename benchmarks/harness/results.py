@@ -69,12 +69,29 @@ def results_path(
 
 def write_results(
     out: Path, what: str, markdown: str, data: dict[str, Any], date: str | None = None,
-    where: str = "cpu",
+    where: str = "cpu", overwrite: bool = False,
 ) -> tuple[Path, Path]:  # fmt: skip
-    """Write the Markdown report and its JSON next to it; returns both paths."""
+    """Write the Markdown report and its JSON next to it; returns both paths.
+
+    A run never replaces an earlier one's files: a second run of the day is
+    ``...-<date>-b``, then ``-c`` (``overwrite``: the date's first name, as a
+    re-render of that run wants).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, js = (results_path(out, what, ext, date, where) for ext in ("md", "json"))
+    if not overwrite:
+        for letter in "bcdefghijklmnopqrstuvwxyz":
+            if not (md.exists() or js.exists()):
+                break
+            md, js = (
+                results_path(out, what, ext, date, where).with_stem(
+                    f"{results_path(out, what, ext, date, where).stem}-{letter}"
+                )
+                for ext in ("md", "json")
+            )
+        else:
+            raise FileExistsError(f"every run name of {what} on this date is taken in {out}")
     md.write_text(markdown.rstrip() + "\n")
     js.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return md, js
@@ -97,4 +114,4 @@ def rerender(
     data = read_results(source)
     markdown = report(data["results"], data["info"])
     print(markdown)
-    return write_results(out, what, markdown, data, date=data["info"]["date"])
+    return write_results(out, what, markdown, data, date=data["info"]["date"], overwrite=True)

@@ -47,3 +47,15 @@ def test_results_record_the_environment_that_changes_step_times(monkeypatch) -> 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
     monkeypatch.setenv("UNRELATED_SETTING", "1")
     assert machine_info()["environment"] == {"MALLOC_MMAP_THRESHOLD_": "33554432"}
+
+
+def test_a_second_run_of_the_day_gets_its_own_files(tmp_path):
+    from benchmarks.harness.results import write_results
+
+    first = write_results(tmp_path, "demo", "# one", {"run": 1}, date="2026-12-05")
+    second = write_results(tmp_path, "demo", "# two", {"run": 2}, date="2026-12-05")
+    assert [p.name for p in first] == ["demo-cpu-2026-12-05.md", "demo-cpu-2026-12-05.json"]
+    assert [p.name for p in second] == ["demo-cpu-2026-12-05-b.md", "demo-cpu-2026-12-05-b.json"]
+    assert first[0].read_text() == "# one\n"
+    again = write_results(tmp_path, "demo", "# three", {"run": 1}, date="2026-12-05", overwrite=True)
+    assert again == first and first[0].read_text() == "# three\n"
