@@ -123,14 +123,16 @@ def _ddp_rank(rank: int, world: int) -> dict:
     out: dict = {}
     configs = {
         # sqrt: segments; find_unused_parameters walks the graph each step.
-        "find_unused": (dict(solver="sqrt"), dict(find_unused_parameters=True)),
-        "static_graph": (dict(), dict(static_graph=True)),
+        "find_unused": (1.0, dict(solver="sqrt"), dict(find_unused_parameters=True)),
+        # DDP's sink skips a chunked head's lazy logits: plan without chunking.
+        "static_graph": (0.6, dict(chunking=False), dict(static_graph=True)),
+        # Plain DDP synchronises a chunked head's gradients as any other.
+        "chunked": (0.6, dict(), dict()),
     }
-    for name, (plan_options, ddp_options) in configs.items():
+    for name, (budget, plan_options, ddp_options) in configs.items():
         ex = make("gpt", **GPT)
         loss_fn = _half_loss(ex, rank, world)
-        plan = fit_for_ddp(ex.model, loss_fn, 0.6 if not plan_options else 1.0,
-                           repeats=1, **plan_options)  # fmt: skip
+        plan = fit_for_ddp(ex.model, loss_fn, budget, repeats=1, **plan_options)
         model = DDP(ex.model, **ddp_options)
         idx, targets = ex.inputs["idx"], ex.inputs["targets"]
         share = idx.shape[0] // world
@@ -145,6 +147,14 @@ def _ddp_rank(rank: int, world: int) -> dict:
             "plan": plan.to_json(),
             "grads": {k: p.grad.clone() for k, p in ex.model.named_parameters()},
         }
+    # A chunked head under DDP's static graph is refused at its first call.
+    ex = make("gpt", **GPT)
+    fit_for_ddp(ex.model, _half_loss(ex, rank, world), 0.6, repeats=1)
+    model = DDP(ex.model, static_graph=True)
+    try:
+        model(ex.inputs["idx"][:2])
+    except gradckpt.CheckpointError as exc:
+        out["static_chunk_error"] = str(exc)
     return out
 
 
@@ -222,7 +232,12 @@ def test_fsdp_refuses_plans_with_segments(fsdp):
 
 def test_ddp_gradients_equal_the_single_process_ones(ddp):
     want, _ = _reference(step=2)
-    for name in ("find_unused", "static_graph"):
+    chunked = Plan.from_json(ddp[0]["chunked"]["plan"])
+    assert any(u.mode == "chunk" for u in chunked.units)
+    for result in ddp:
+        assert "static_graph=True" in result["static_chunk_error"]
+        assert "chunking=False" in result["static_chunk_error"]
+    for name in ("find_unused", "static_graph", "chunked"):
         plans = [Plan.from_json(r[name]["plan"]) for r in ddp]
         assert plans[0] == plans[1]
         for result in ddp:

@@ -116,7 +116,8 @@ def test_planned_with_offload_fits_the_budget_and_gives_exact_gradients(zoo, nam
     assert step.peak <= budget
 
 
-def test_gpt_at_eighty_percent_offloads_and_is_faster_than_recompute(zoo):
+def test_gpt_at_eighty_percent_offloads_and_is_faster_than_recompute(zoo, no_chunking):
+    # Without chunking: a chunked linear head frees this much for no recompute at all.
     _, prof, _ = zoo.get("gpt")
     budget = int(0.8 * prof.measured_peak_bytes)
     with_offload = solve_offload(prof, budget, OPTIONS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from gradckpt.engine.chunking.lazy import lazy_logits
 from gradckpt.engine.chunking.linear_loss import LinearHead
 from gradckpt.engine.decisions import Chunk, Decision
+from gradckpt.engine.holders import CheckpointError
 from gradckpt.planning.handlers.effects import StepEffect
 from gradckpt.planning.handlers.engine_counts import EngineCounts
 from gradckpt.planning.handlers.lookup import Lookup
@@ -85,6 +87,29 @@ class _HeadCall:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.plain(hidden, *self.rest, **self.kwargs)
+
+
+def _refuse_ddp_sink(path: str) -> None:
+    """Raise inside a DDP forward that routes its outputs through its sink.
+
+    With ``static_graph`` or ``find_unused_parameters`` DDP passes only outputs
+    that have a ``grad_fn`` through its sink, whose backward starts the gradient
+    synchronisation; lazy logits have none, so the ranks' gradients would never
+    be averaged (measured: each rank kept its own).
+    """
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    ddp = getattr(getattr(module, "DistributedDataParallel", None), "_active_ddp_module", None)
+    if ddp is None:
+        return
+    why = [name for name in ("static_graph", "find_unused_parameters") if getattr(ddp, name, False)]
+    if why:
+        raise CheckpointError(
+            f"gradckpt: the plan chunks {path}, but it runs inside DistributedDataParallel with "
+            f"{' and '.join(why)}=True, which would not synchronise the gradients of a chunked "
+            "head (its logits are lazy and DDP's sink skips them). Plan with chunking=False "
+            "(gradckpt.integrations.distributed.fit_for_ddp(..., chunking=False)), or wrap the "
+            f"model without {' or '.join(why)}."
+        )
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -153,6 +178,7 @@ class ChunkHandler(KindHandler):
     def run(self, unit: Any, args: tuple, kwargs: dict, *, in_recompute: bool) -> Any:
         if in_recompute or not args or not isinstance(args[0], torch.Tensor):
             return unit.call_in_region(args, kwargs)  # as the segment's forward ran it
+        _refuse_ddp_sink(unit.path)
         module = unit.module
         if _plain_linear(module) and len(args) == 1 and not kwargs:
             head: Any = LinearHead(module.weight, module.bias)  # backward done in place
