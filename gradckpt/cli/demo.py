@@ -134,7 +134,10 @@ def run_demo(args: argparse.Namespace, out: Out) -> int:
     with out.status("[1/4] profiling the plain training step ..."):
         prof = gradckpt.profile(planned.model, planned.loss_fn, repeats=2,
                                 optimizer=runs[1].optimizer)  # fmt: skip
-        planner = gradckpt.Planner(prof)  # chain and DP built once for all that follows
+        # Chain and DP built once for all that follows. Without chunking: the demo shows
+        # training unchanged bit for bit, and its plan the same from run to run (with a
+        # chunked head its near-equal plans split by profile noise: docs/limitations).
+        planner = gradckpt.Planner(prof, chunking=False)
         points = planner.frontier()
     plain_peak = prof.measured_peak_bytes
     least = least_peak(planner)
@@ -249,7 +252,9 @@ def _report(out: Out, runs: list[Run], plan, prof, least: int, steps: int) -> di
     identical = all(a == b for a, b in zip(plain.losses, planned.losses))
     # A plan that slices along the tokens sums in another order: equal within fp32's
     # 1e-5 relative, not bit for bit.
-    sliced = bool(plan.token_chunks) or any(u.mode == "chunk" for u in plan.units)
+    sliced = bool(getattr(plan, "token_chunks", ())) or any(
+        getattr(u, "mode", "") == "chunk" for u in getattr(plan, "units", ())
+    )
     equal = identical or (
         sliced and all(d <= 1e-5 * abs(a) for d, a in zip(diffs, plain.losses))
     )

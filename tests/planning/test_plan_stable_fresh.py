@@ -27,7 +27,7 @@ def _demo_plan(ex, optimizer) -> gradckpt.Plan:
     """What ``gradckpt demo`` plans at its default budget (half the whole step's peak)."""
     calibration.forget()  # as in a new process
     prof = gradckpt.profile(ex.model, ex.loss_fn, repeats=2, optimizer=optimizer)
-    return gradckpt.Planner(prof).plan(0.5)
+    return gradckpt.Planner(prof, chunking=False).plan(0.5)  # as the demo plans
 
 
 def test_two_fresh_profiles_of_the_demo_model_plan_the_same_decisions(one_thread):
