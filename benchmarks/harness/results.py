@@ -79,19 +79,15 @@ def write_results(
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    md, js = (results_path(out, what, ext, date, where) for ext in ("md", "json"))
-    if not overwrite:
-        for letter in "bcdefghijklmnopqrstuvwxyz":
-            if not (md.exists() or js.exists()):
-                break
-            md, js = (
-                results_path(out, what, ext, date, where).with_stem(
-                    f"{results_path(out, what, ext, date, where).stem}-{letter}"
-                )
-                for ext in ("md", "json")
-            )
-        else:
-            raise FileExistsError(f"every run name of {what} on this date is taken in {out}")
+    first = [results_path(out, what, ext, date, where) for ext in ("md", "json")]
+    md, js = first
+    suffixes = [""] if overwrite else ["", *(f"-{c}" for c in "bcdefghijklmnopqrstuvwxyz")]
+    for suffix in suffixes:
+        md, js = (path.with_stem(path.stem + suffix) for path in first)
+        if overwrite or not (md.exists() or js.exists()):
+            break
+    else:
+        raise FileExistsError(f"every run name of {what} on this date is taken in {out}")
     md.write_text(markdown.rstrip() + "\n")
     js.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return md, js

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="plan a small GPT for half its memory, train it, prove the result",
         description="Measure a small GPT's training step (CPU, synthetic tokens), plan it for "
         "a budget, train a plain and a planned copy side by side and show the peak, the "
-        "overhead and that the loss curves are equal. Writes frontier.png, plan.json and "
+        "overhead and that the loss curves are identical. Writes frontier.png, plan.json and "
         "demo.json to --out.",
     )  # fmt: skip
     demo.add_argument(

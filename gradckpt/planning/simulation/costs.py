@@ -181,10 +181,10 @@ def plan_counts(
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
             total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
-        ops = max(0, stop - region.first_op) * region.repeats if region.reruns else 0
+        ops = max(0, stop - region.first_op) * region.repeats  # a chunked region: per slice
         total += EngineCounts(
             recompute_ops=ops,
-            saved_tensors=len(region.packs) * region.repeats if region.reruns else 0,
+            saved_tensors=len(region.packs) * region.repeats,
             mode_ops=ops if region.save else 0,  # kept outputs: replayed under the mode
         )
     return total

@@ -200,7 +200,7 @@ class _Simulator:
                 opened = plain_at(p.ops[region.first_op].position - 1)
                 self.line.add(self.rng_bytes * region.repeats, opened, plain_at(self.death(region)))
             start = self.first_unpack(region)
-            if start < NEVER and region.reruns:
+            if start < NEVER:
                 self.recompute(region, start, 0, {})
 
     def shrink_backward(self) -> None:
@@ -238,6 +238,8 @@ class _Simulator:
         return time, flops
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
+        if not region.reruns:  # its backward's work was done in the forward (the effect's)
+            return
         p = self.p
         stop = max((p.packs[i].ops_done for i in region.packs), default=region.first_op)
         stop = min(stop, region.end_op)
@@ -254,15 +256,13 @@ class _Simulator:
             self.line.add(2 * self.rng_bytes, here(-1), end)
         ops, save, nbytes, natural = p.ops, region.save, self.nbytes, self.shared.natural_op
         by_unit, time, flops = self.recompute_by_unit, self.recompute_time, self.recompute_flops
-        reruns = region.reruns
         for k in range(first, stop):
             if k in save:
                 continue
             op = ops[k]
-            if reruns:
-                time += op.time
-                by_unit[op.unit] = by_unit.get(op.unit, 0.0) + op.time
-                flops += op.flops
+            time += op.time
+            by_unit[op.unit] = by_unit.get(op.unit, 0.0) + op.time
+            flops += op.flops
             at = (base, 0, depth, float(k - first))
             if op.workspace > 0:
                 self.line.transient(op.workspace, at, op.index)

@@ -7,9 +7,9 @@ chunking is switched off (:func:`allow_chunking`, which ``Planner(chunking=False
 and ``chunking=False`` on the API verbs use). In profile terms a chunked head is
 a region over the head and the loss whose per-token storages are one slice's
 size (:mod:`.effect`), entered once per slice; its recompute reruns the head and
-the loss once in all, except after a plain ``nn.Linear`` head, whose chunked loss
-makes its gradients in the forward and reruns nothing (its region's storages are
-simulated as a recompute's, its ops are not priced twice). At run time the head returns lazy logits
+the loss once in all, except after a plain ``nn.Linear`` head: its chunked loss
+makes its gradients in the forward, so its region reruns nothing and the effect
+places the backward's storages there. At run time the head returns lazy logits
 (:mod:`gradckpt.engine.chunking.lazy`) and the loss consumes them slice by slice.
 """
 
