@@ -61,6 +61,7 @@ from benchmarks.harness import (
 from benchmarks.harness.stats import median_interval
 from gradckpt.planning.plans.plan import Segment, iter_units
 from gradckpt.testing import Example, make, resnet_imagenet
+from gradckpt.testing.wild import wild
 
 OVERHEAD_POINTS, LEAST_USE = 0.03, 0.85
 
@@ -73,6 +74,10 @@ def models(quick: bool) -> dict[str, Callable[[], Example]]:
         "unet-issue40": lambda: make("unet", depth=3, base=32, image=128, batch=4),
         "unet-zoo-128": lambda: make("unet", image=128, batch=4),
         "resnet18-224": lambda: resnet_imagenet(batch=8),
+        # An LM whose plans chunk its linear head (gradients made in the forward).
+        "titan-llama": lambda: wild(
+            "titan_llama", layers=4, dim=256, heads=4, seq=512, batch=2, vocab=8192
+        ),
     }
 
 
