@@ -23,6 +23,7 @@ from gradckpt.apply.wrappers import (
 )
 from gradckpt.engine import dynamo
 from gradckpt.engine.chunking.token_wise import TokenChunkedForward
+from gradckpt.engine.decisions import Keep
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
 from gradckpt.planning.plans.planset import PlanSet
@@ -40,6 +41,7 @@ __all__ = [
     "prepare_for_compile",
     "remove",
     "restamp_plan",
+    "wrap_unit",
 ]
 
 
@@ -160,6 +162,8 @@ def _forwards(specs: dict[str, UnitSpec]) -> list[tuple[nn.Module, UnitForward |
     out: list[tuple[nn.Module, UnitForward | CallsForward]] = []
     for path, group in by_module.items():
         if len(group) == 1 and group[0].path == path:
+            if not segmented and _runs_plainly(group[0]):
+                continue  # its wrapper would only call the plain forward (#42)
             out.append((group[0].module, make_wrapper(group[0], specs, segmented)))
             continue
         ordered = [specs[call_path(path, k, len(group))] for k in range(len(group))]
@@ -229,6 +233,47 @@ def _apply_set(model: nn.Module, plans: PlanSet, on_new_shape: str) -> nn.Module
     # A single-plan file loads with key None: the guard learns its key from the units.
     guard = shape_guard.ShapeGuard(on_new_shape, plans.plans, first_key, None)
     return install_guarded(model, first, guard)
+
+
+def _runs_plainly(spec: UnitSpec) -> bool:
+    """A unit that runs its plain forward on every path: a kept one, outside every
+    segment, whose shape the model's guard checks and that has no compiled body.
+
+    Its wrapper would cost a call per unit call and decide nothing; on short ops
+    (a GPU's regime) that shows in the step, so it gets none. The root module
+    keeps its wrapper (the shape guard wraps that forward), and so does a module
+    whose forward someone else replaced (``gradckpt.compile``'s in-graph forwards
+    stay after a re-plan: the wrapper runs the plain forward instead).
+    """
+    return (
+        type(spec.decision) is Keep
+        and "forward" not in spec.module.__dict__
+        and not spec.segments
+        and spec.expected_shape is None
+        and spec.compiled is None
+        and spec.path != ""
+    )
+
+
+def wrap_unit(model: nn.Module, path: str) -> None:
+    """Install the wrapper of a unit that runs without one (:func:`_runs_plainly`).
+
+    ``compile_model`` gives such a unit a compiled body, which only a wrapper runs.
+    Removed with the plan, as the others are.
+    """
+    installed = _installed(model)
+    if installed is None or path not in installed.units:
+        raise ValueError(f"wrap_unit: {path!r} is not a unit of the plan applied to the model")
+    spec = installed.units[path]
+    if any(module is spec.module for module, _, _ in installed.modules):
+        return
+    wrapper = make_wrapper(spec, installed.units, segmented=False)
+    guard = model.__dict__.get("forward")
+    wrapper.root = guard if isinstance(guard, RootGuard) else None
+    installed.modules.append((spec.module, "forward" in spec.module.__dict__,
+                              spec.module.__dict__.get("forward")))  # fmt: skip
+    installed.installed.append(wrapper)
+    spec.module.forward = wrapper
 
 
 def install_guarded(model: nn.Module, plan: Plan, guard: shape_guard.ShapeGuard) -> nn.Module:

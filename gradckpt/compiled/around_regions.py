@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradckpt.apply.apply import applied_units, prepare_for_compile
+from gradckpt.apply.apply import applied_units, prepare_for_compile, wrap_unit
 
 __all__ = ["compile_model", "compiled_units"]
 
@@ -95,6 +95,7 @@ def compile_model(
             continue
         if not spec.handler.compiled_body:
             continue  # e.g. selective: its policy must see every op, so it stays eager
+        wrap_unit(model, path)  # a kept unit may run without a wrapper; a compiled body needs one
         spec.compiled = torch.compile(spec.plain, **compile_kwargs)
     if whole_model:
         model.compile(**{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradckpt
+from gradckpt.apply.apply import applied_units
 from gradckpt.compiled.around_regions import compile_model, compiled_units
 from gradckpt.planning import Plan, Segment, UnitChoice
 from gradckpt.planning.solving.solvers import save_matmuls_plan
@@ -240,3 +241,20 @@ def test_compile_model_rejects_unknown_units():
     gradckpt.fit(ex.model, ex.loss_fn, 1.0, profiling=gradckpt.ProfileOptions(repeats=1))
     with pytest.raises(ValueError, match="not units"):
         compile_model(ex.model, units=["nowhere"], backend="aot_eager")
+
+
+def test_compile_model_runs_compiled_bodies_of_kept_units_fit_left_unwrapped():
+    """A keep-everything ``fit`` installs no forward on its kept units (they run plainly);
+    compile_model wraps them so their compiled bodies run, and remove takes all back."""
+    ex = make("gpt", **GPT)
+    gradckpt.fit(ex.model, ex.loss_fn, budget=1.0, measure_candidates=0, chunking=False)
+    units = list(applied_units(ex.model))
+    assert [n for n, m in ex.model.named_modules() if "forward" in m.__dict__] == [""]
+    backend, runs = _counting_backend()
+    compile_model(ex.model, backend=backend, whole_model=False)
+    assert set(compiled_units(ex.model)) == set(units)
+    torch.manual_seed(1)
+    ex.loss_fn()
+    assert len(runs) == len(units)  # every unit ran its compiled body
+    gradckpt.remove(ex.model)
+    assert [n for n, m in ex.model.named_modules() if "forward" in m.__dict__] == []
