@@ -45,5 +45,6 @@ def token_chunked_forwards(
                 "kept or recomputed block's MLP runs in slices. Plan again."
             )
         plain = getattr(module.forward, "__gradckpt_original__", module.forward)
-        out.append((module, TokenChunkedForward(plain, chunks, name=path)))
+        # The planner chunks only modules that draw no random numbers (token_wise).
+        out.append((module, TokenChunkedForward(plain, chunks, name=path, deferrable=True)))
     return out

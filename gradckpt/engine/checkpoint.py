@@ -15,7 +15,7 @@ from gradckpt.engine.frame import Frame
 from gradckpt.engine.holders import in_region_forward
 from gradckpt.engine.writes import module_state
 
-__all__ = ["checkpoint", "checkpoint_sequential", "run_checkpointed"]
+__all__ = ["checkpoint", "checkpoint_sequential", "region_for", "run_checkpointed"]
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -123,6 +123,18 @@ def run_checkpointed(
         # Nothing is saved under no_grad; inside another region's forward the
         # enclosing region recomputes this one anyway.
         return fn(*args, **kwargs)
+    frame = region_for(fn, args, kwargs, name=name, **options)
+    with frame.forward():
+        return fn(*args, **kwargs)
+
+
+def region_for(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str = "",
+    **options: Any,
+) -> Frame:  # fmt: skip
+    """The region :func:`run_checkpointed` opens for ``fn(*args, **kwargs)``, inputs kept,
+    its forward not run yet (a chunk deferring its slices makes them so, see
+    :mod:`gradckpt.engine.chunking.deferred`)."""
     if not kwargs and all(_is_leaf(a) for a in args):
         # The common call, block(x): pytree's walk costs more than the rest of the entry.
         flat = list(args)
@@ -143,8 +155,7 @@ def run_checkpointed(
         options["state"] = module_state(fn)
     frame = Frame(body, name=name or getattr(fn, "__name__", type(fn).__name__), **options)
     frame.save_inputs(flat)
-    with frame.forward():
-        return fn(*args, **kwargs)
+    return frame
 
 
 _LEAF_TYPES = (int, float, bool, str, type(None))

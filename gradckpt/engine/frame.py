@@ -117,6 +117,9 @@ class Frame:
             (top[0], top[1]) if top is not None and top[1] is not None else None
         )
         self.slots: list[weakref.ref[Holder] | None] = []
+        #: Chunks run in this region's forward: the slot count at a chunk's start ->
+        #: the count after each of its slices (:mod:`gradckpt.engine.chunking.slices`).
+        self.chunk_spans: dict[int, tuple[int, ...]] = {}
         self.cache: dict[tuple[Any, int], CacheEntry] = {}  # by modes.replay_key
         # id(output) -> (weak reference, replay key, op) of the forward's recomputed
         # ops, for tag(); a plain dict (a WeakIdKeyDictionary costs ~3 us per op).
@@ -246,7 +249,15 @@ class Frame:
         """Rerun the region from its inputs (subclasses replay differently)."""
         return self.body(inputs)
 
-    def _fill(self, gid: PassId, value: Any, x: torch.Tensor) -> Holder | None:
+    def hand_to(self, gid: PassId, nested: Frame, count: int) -> None:
+        """The next ``count`` holders of recompute ``gid`` get their values from ``nested``
+        (a region opened here whose forward is not run: its own recompute fills them)."""
+        for _ in range(count):
+            holder = self._fill(gid, Deferred(nested), None)
+            nested.slots.append(weakref.ref(holder) if holder is not None else None)
+            self._maybe_stop(gid)
+
+    def _fill(self, gid: PassId, value: Any, x: torch.Tensor | None) -> Holder | None:
         index = self.counters[gid]
         self.counters[gid] = index + 1
         if index >= len(self.slots):
@@ -264,7 +275,7 @@ class Frame:
         holder = ref() if ref is not None else None
         if holder is None:
             return None  # already consumed by an earlier (partial) backward
-        if holder.meta is not None and holder.meta != meta(x):
+        if x is not None and holder.meta is not None and holder.meta != meta(x):
             raise CheckpointError(
                 "Recomputed values for the following tensors have "
                 f"different metadata than during the forward pass: region {self.name!r} "

@@ -8,7 +8,8 @@ are concatenated and take the input's leading shape again. Only one slice's
 hidden activation lives at a time, in the forward and when backward recomputes
 it. Inside an enclosing region's forward (a recomputed block) the slices run
 plainly and are recomputed by that region; in its recompute each slice is a
-nested region again. Without gradients, or when called otherwise than with one
+nested region again, opened without running when the chunk is ``deferrable``
+(it draws no random numbers) and holds that recompute's last saved tensor. Without gradients, or when called otherwise than with one
 tensor, it is the plain forward.
 
 The planner installs it only on modules it proved token-wise on the profile
@@ -35,8 +36,16 @@ __all__ = ["TokenChunkedForward"]
 class TokenChunkedForward:
     """``plain`` run on ``chunks`` slices of the tokens of its one input; see the module docstring."""
 
-    def __init__(self, plain: Callable[..., Any], chunks: int, name: str = "") -> None:
+    #: (what a forward pickled before this attribute existed reads)
+    deferrable = False
+
+    def __init__(
+        self, plain: Callable[..., Any], chunks: int, name: str = "", deferrable: bool = False
+    ) -> None:
         self.plain, self.chunks, self.name = plain, int(chunks), name
+        # Draws no random numbers (the planner proved it): an enclosing region's
+        # recompute opens the slices without running them (engine.chunking.slices).
+        self.deferrable = deferrable
         self.active = True  # False once removed while another wrapper still calls this one
         self.root: Any = None  # apply sets the model's guard on every wrapper it installs
 
@@ -56,5 +65,5 @@ class TokenChunkedForward:
         ):  # fmt: skip
             return self.plain(*args, **kwargs)
         rows = x.reshape(-1, x.shape[-1])
-        out = chunked_cat(self._rows, self.chunks, rows, name=self.name)
+        out = chunked_cat(self._rows, self.chunks, rows, name=self.name, deferrable=self.deferrable)
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -217,25 +217,15 @@ class _Simulator:
             if s.free < NEVER:
                 events.append(((s.free, 1, 0, 0.5), -less))
 
-    def _sliced_tails(
-        self, region: Region, stop: int, time: float, flops: int
-    ) -> tuple[float, int]:
-        """A chunked MLP inside this recompute runs its slices one after another, so
-        the recompute reaches its last saved tensor only in the last slice: every
-        earlier slice runs whole, its tail past that tensor (the second linear) too.
-        Measured on HF ViT: 3 of 4, 1 of 2 and 7 of 8 slices reran it."""
-        ops, by_unit, packs = self.p.ops, self.recompute_by_unit, self.p.packs
+    @staticmethod
+    def _deferred_chunk(region: Region, stop: int) -> Region | None:
+        """The chunked MLP holding this recompute's last saved tensor, if one does: the
+        recompute opens its slices' regions without running them and stops there
+        (:mod:`gradckpt.engine.chunking.slices`), so it runs only the ops before it."""
         for child in region.children:
-            if not child.label or child.repeats < 2 or child.end_op <= stop:
-                continue
-            tail = max((packs[i].ops_done for i in child.packs), default=child.first_op)
-            share = (child.repeats - 1) / child.repeats
-            for k in range(max(stop, tail, child.first_op), child.end_op):
-                op = ops[k]
-                time += op.time * share
-                by_unit[op.unit] = by_unit.get(op.unit, 0.0) + op.time * share
-                flops += int(op.flops * share)
-        return time, flops
+            if child.label and child.repeats >= 2 and child.first_op < stop <= child.end_op:
+                return child
+        return None
 
     def recompute(self, region: Region, start: int, depth: int, outer: dict[int, list]) -> None:
         if not region.reruns:  # its backward's work was done in the forward (the effect's)
@@ -243,6 +233,9 @@ class _Simulator:
         p = self.p
         stop = max((p.packs[i].ops_done for i in region.packs), default=region.first_op)
         stop = min(stop, region.end_op)
+        deferred = self._deferred_chunk(region, stop)
+        if deferred is not None:
+            stop = deferred.first_op
         self.recomputed.append(Recomputed(region, stop))
         child_of: dict[int, Region] = {}
         for child in region.children:
@@ -270,7 +263,6 @@ class _Simulator:
                 done = natural[sid]
                 free = (base, 0, depth, float(done - first - 0.5)) if done < stop else end
                 copies[sid] = [nbytes[sid], at, free]
-        time, flops = self._sliced_tails(region, stop, time, flops)
         self.recompute_time, self.recompute_flops = time, flops
         visible = {**outer, **copies}
         packs = p.packs
