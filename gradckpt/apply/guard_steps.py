@@ -93,13 +93,17 @@ class StepCalls:
 
 
 class _EndStep:
-    """A gradient hook on a call's output: the step ends with the backward that reaches it."""
+    """A pre-hook on the node that made a call's output: the step ends with the backward
+    that reaches it. (On the node, not the tensor: a node's pre-hook costs a third less
+    to register, and the guard registers one every step.)"""
+
+    __slots__ = ("queued", "step")
 
     def __init__(self, step: StepCalls) -> None:
         self.step = step
         self.queued = False
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grads: Any) -> None:
         if not self.queued:  # one callback per step, however many outputs get a gradient
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.step.end)
@@ -112,9 +116,10 @@ def arm(step: StepCalls, out: Any) -> bool:
     ``grad_fn``): the call is then no part of a training step.
     """
     if type(out) is torch.Tensor:  # the usual output: no walk
-        if out.grad_fn is None:
+        node = out.grad_fn
+        if node is None:
             return False
-        out.register_hook(_EndStep(step))
+        node.register_prehook(_EndStep(step))
         return True
     leaves, _ = tree_flatten(out)
     if hasattr(out, "values") and not leaves:  # a ModelOutput-like mapping
@@ -123,8 +128,8 @@ def arm(step: StepCalls, out: Any) -> bool:
     # step reads per-token log-probabilities, not the logits).
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None]
     end = _EndStep(step)
-    for tensor in tensors:
-        tensor.register_hook(end)
+    for node in {id(t.grad_fn): t.grad_fn for t in tensors}.values():
+        node.register_prehook(end)
     return bool(tensors)
 
 
