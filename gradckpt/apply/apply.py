@@ -336,7 +336,8 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
         if shape_guard.guards(model) or any(isinstance(item, Segment) for item in plan.items):
             had_own = "forward" in model.__dict__
             installed.modules.append((model, had_own, model.__dict__.get("forward")))
-            guard = make_root_guard(model.forward)
+            lean = not any(spec.segments or spec.expected_shape for spec in specs.values())
+            guard = make_root_guard(model.forward, lean)
             for wrapper in installed.installed:
                 wrapper.root = guard  # segments open only inside the model's forward
             installed.installed.append(guard)

@@ -237,16 +237,22 @@ class RootGuard:
     returned = staticmethod(shape_guard.returned)
     raised = staticmethod(shape_guard.raised)
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    #: The plan has no segments and its units check no shapes of their own: the usual
+    #: call needs only the shape guard's step (apply sets it; a copy pickled before reads False).
+    lean = False
+
+    def __init__(self, forward: Callable[..., Any], lean: bool = False) -> None:
         self.forward = forward
         self.active = True  # False once removed while another wrapper still calls this one
+        self.lean = lean
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"forward": portable(self.forward), "active": self.active}
+        return {"forward": portable(self.forward), "active": self.active, "lean": self.lean}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.forward = rebound(state["forward"])
         self.active = state.get("active", True)
+        self.lean = state.get("lean", False)
 
     @property
     def __gradckpt_original__(self) -> Callable[..., Any]:
@@ -261,6 +267,18 @@ class RootGuard:
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lean and not dynamo.frames_watched():
+            # The usual call of a plan without segments: no segment to close, no unit
+            # that asks which model call runs; the guard begins the step and follows it.
+            guard = shape_guard.steady(self.forward, args, kwargs)
+            if guard is not None:
+                try:
+                    out = self.forward(*args, **kwargs)
+                except BaseException:
+                    guard.abandon()
+                    raise
+                guard.on_return(out)
+                return out
         # Every call is checked: the guard follows each step's calls (which one of the
         # step this is), and reads a call with the last shapes from a small cache. Where
         # Dynamo watches no frame, the plain functions (their disabled wrappers cost as
@@ -301,9 +319,9 @@ class OpaqueRootGuard(RootGuard):
     """A :class:`RootGuard` whose own frame Dynamo skips (see ``prepare_for_compile``)."""
 
 
-def make_root_guard(forward: Callable[..., Any]) -> RootGuard:
-    """The guard installed as the model's ``forward`` when the plan has segments."""
-    return RootGuard(forward)
+def make_root_guard(forward: Callable[..., Any], lean: bool = False) -> RootGuard:
+    """The guard installed as the model's ``forward`` (``lean``: see :attr:`RootGuard.lean`)."""
+    return RootGuard(forward, lean)
 
 
 def make_opaque(forward: UnitForward | RootGuard) -> None:
