@@ -8,6 +8,7 @@ measured peak (2%), gradients to fp32's 1e-5 relative per tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -197,3 +198,26 @@ def test_a_linear_heads_chunks_recompute_nothing_and_its_step_runs_the_plain_mat
     # The lazy logits' probe of the head's output shape: one row's matmul.
     hidden, vocab = ex.model.lm_head.in_features, ex.model.lm_head.out_features
     assert chunked_flops == plain_flops + 2 * hidden * vocab
+
+
+@pytest.mark.parametrize("chunks", [2, 8])
+def test_each_slice_beyond_the_first_pays_the_host_cost_of_the_heads_ops_again(zoo, chunks):
+    """A slice runs the head's and the loss's ops, forward and backward, on fewer rows:
+    the kernels' work is split, the host's per-op cost (dispatch, autograd, Python) is
+    paid once per slice. Priced at the measured host cost per op of tiny ops."""
+    from gradckpt.planning.simulation.costs import engine_seconds, step_costs
+
+    _, prof, _ = zoo.get("gpt")
+    span = head_span(prof)
+    items = tuple(
+        UnitChoice(u.path, Chunk(chunks) if u.path == "lm_head" else Keep()) for u in prof.units
+    )  # fmt: skip
+    counts = simulate(prof, Plan(items, prof.fingerprint)).engine_counts
+    per_slice = (span.end_op - span.first_op) + len(span.backward)
+    assert per_slice > 0 and counts.sliced_ops == (chunks - 1) * per_slice
+    costs = step_costs(prof)
+    assert costs.host_op > 0
+    without = engine_seconds(dataclasses.replace(counts, sliced_ops=0), costs)
+    assert engine_seconds(counts, costs) - without == pytest.approx(
+        counts.sliced_ops * costs.host_op
+    )

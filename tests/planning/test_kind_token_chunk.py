@@ -326,3 +326,20 @@ def test_a_chunked_mlps_recompute_flops_are_what_the_step_runs(base, chunks):
         gradckpt.remove(net)
         net.zero_grad(set_to_none=True)
     assert ran - plain == simulate(prof, plan).recompute_flops
+
+
+def test_a_kept_blocks_mlp_slices_pay_the_host_cost_of_their_ops_again():
+    """Each slice beyond the first reruns the MLP's forward and backward ops on fewer
+    tokens: priced as ``sliced_ops`` (the host's per-op cost), forward and backward."""
+    net, loss_fn = _example()
+    prof = gradckpt.profile(net, loss_fn, repeats=1)
+    spans = token_wise_spans(prof)[0]
+    plain = simulate(prof, none_plan(prof)).engine_counts.sliced_ops
+    for chunks in (2, 4):
+        plan = with_token_chunks(prof, none_plan(prof), chunks)
+        per_slice = sum(
+            (spans[path].end_op - spans[path].first_op) + spans[path].backward_ops
+            for path, _ in plan.token_chunks
+        )
+        assert all(spans[path].backward_ops > 0 for path, _ in plan.token_chunks)
+        assert simulate(prof, plan).engine_counts.sliced_ops - plain == (chunks - 1) * per_slice

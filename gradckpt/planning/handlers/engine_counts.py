@@ -27,6 +27,9 @@ class EngineCounts:
     #: Of ``recompute_ops``, those run under the recompute's dispatch mode (regions that
     #: replay kept outputs); the others run on the saved-tensor hooks alone.
     mode_ops: int = 0
+    #: Ops run again per slice beyond the first (forward and backward of a chunked head
+    #: or MLP): the kernels' work is the same, the host's per-op cost is paid once more.
+    sliced_ops: int = 0
 
     def __add__(self, other: EngineCounts) -> EngineCounts:
         return EngineCounts(
@@ -35,4 +38,5 @@ class EngineCounts:
             self.policy_ops + other.policy_ops,
             self.saved_tensors + other.saved_tensors,
             self.mode_ops + other.mode_ops,
+            self.sliced_ops + other.sliced_ops,
         )

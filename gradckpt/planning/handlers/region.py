@@ -34,3 +34,6 @@ class Region:
     #: tensors are dropped as a region's, nothing runs again (the plan's effect places
     #: the backward's storages in the forward).
     reruns: bool = True
+    #: Ops one slice of a chunked region runs, forward and backward: each slice beyond
+    #: the first pays the host's per-op cost for them again (0: not chunked).
+    slice_ops: int = 0

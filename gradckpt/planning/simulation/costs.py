@@ -100,7 +100,7 @@ def step_costs(profile: Profile) -> EngineCosts:
     return replace(
         costs, region=steady(costs.region), recompute_op=steady(costs.recompute_op),
         policy_op=steady(costs.policy_op), saved_tensor=steady(costs.saved_tensor),
-        lean_op=steady(costs.lean_op),
+        lean_op=steady(costs.lean_op), host_op=steady(costs.host_op),
     )  # fmt: skip
 
 
@@ -161,6 +161,7 @@ def engine_seconds(counts: EngineCounts, costs: EngineCosts) -> float:
         + counts.mode_ops * costs.recompute_op
         + counts.policy_ops * costs.policy_op
         + counts.saved_tensors * costs.saved_tensor
+        + counts.sliced_ops * costs.host_op
     )
 
 
@@ -177,7 +178,10 @@ def plan_counts(
     """
     total = EngineCounts()
     for region in tops:  # a chunked region is entered once per slice
-        total += EngineCounts(regions=region.repeats, policy_ops=_policy_ops(region))
+        total += EngineCounts(regions=region.repeats, policy_ops=_policy_ops(region),
+                              sliced_ops=_sliced_ops(region))  # fmt: skip
+        for child in region.children:  # a kept block's chunked MLP
+            total += EngineCounts(sliced_ops=_sliced_ops(child))
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
             total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
@@ -188,6 +192,10 @@ def plan_counts(
             mode_ops=ops if region.save else 0,  # kept outputs: replayed under the mode
         )
     return total
+
+
+def _sliced_ops(region: Region) -> int:
+    return (region.repeats - 1) * region.slice_ops
 
 
 def _policy_ops(region: Region) -> int:

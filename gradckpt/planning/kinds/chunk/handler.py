@@ -149,10 +149,12 @@ class ChunkHandler(KindHandler):
         if span is None:
             return EngineCounts()
         k = decision.chunks
+        sliced = (k - 1) * _slice_ops(span)
         if span.linear:  # no region: one autograd call per slice, nothing replayed
-            return EngineCounts(regions=k)
+            return EngineCounts(regions=k, sliced_ops=sliced)
         ops = span.end_op - span.first_op
-        return EngineCounts(regions=k, recompute_ops=k * ops, saved_tensors=k * span.saved)
+        return EngineCounts(regions=k, recompute_ops=k * ops, saved_tensors=k * span.saved,
+                            sliced_ops=sliced)  # fmt: skip
 
     def region(self, profile: Profile, unit: UnitRecord, decision: Decision) -> Region | None:
         span = span_of(profile, unit)
@@ -166,6 +168,7 @@ class ChunkHandler(KindHandler):
         return Region(
             [unit.index], span.first_op, span.end_op, frozenset(), frozenset(unit.inputs),
             packs=list(span.loss_packs), repeats=decision.chunks, reruns=not span.linear,
+            slice_ops=_slice_ops(span),
         )  # fmt: skip
 
     def plan_effect(self, profile: Profile, plan: Any) -> StepEffect | None:
@@ -196,6 +199,11 @@ class ChunkHandler(KindHandler):
     def explain(self, decision: Decision) -> str:
         assert isinstance(decision, Chunk)
         return f"chunk ({decision.chunks} slices with the loss; logits never whole)"
+
+
+def _slice_ops(span: HeadSpan) -> int:
+    """Ops one slice of the head and its loss runs: its forward's and its backward's."""
+    return (span.end_op - span.first_op) + len(span.backward)
 
 
 register(ChunkHandler())

@@ -90,6 +90,7 @@ def add_token_regions(profile: Profile, plan: Plan, tops: list[Region]) -> list[
         region = Region(
             [span.unit], span.first_op, span.end_op, frozenset(), inputs,
             packs=list(span.packs), repeats=k, label=span.path,
+            slice_ops=(span.end_op - span.first_op) + span.backward_ops,
         )  # fmt: skip
         parent = _deepest(tops, span)
         if parent is None:

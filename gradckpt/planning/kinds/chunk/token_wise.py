@@ -75,6 +75,9 @@ class TokenSpan:
     backward_stop: int
     #: Parameters' gradients its backward makes (they outlive it, whole).
     weight_grads: tuple[int, ...] = ()
+    #: Ops its backward runs (those of its block's backward between its saved tensors'
+    #: first unpack and last release).
+    backward_ops: int = 0
 
     def slice_bytes(self, nbytes: int, chunks: int) -> int:
         """Bytes of one (the largest) slice of a per-token storage of ``nbytes``."""
@@ -120,11 +123,11 @@ def _span(profile: Profile, call: SubCallRecord) -> TokenSpan | None:
         return None
     start = min(profile.packs[p].unpack for p in used) - 8
     stop = max(profile.packs[p].release for p in used) + 12
-    made_back = [
-        s for op in profile.ops[profile.forward_ops :]
+    back_ops = [
+        op for op in profile.ops[profile.forward_ops :]
         if op.unit == call.unit and start <= op.position <= stop
-        for s in op.outputs
     ]  # fmt: skip
+    made_back = [s for op in back_ops for s in op.outputs]
     backward = frozenset(
         s for s in made_back
         if storages[s].shape and rows_of(storages[s].shape) == rows and storages[s].free <= stop
@@ -133,6 +136,7 @@ def _span(profile: Profile, call: SubCallRecord) -> TokenSpan | None:
     return TokenSpan(
         call.path, call.unit, call.first_op, call.end_op, rows, call.input, call.output,
         forward, backward, packs, start, stop, tuple(s for s in made_back if s in grads),
+        len(back_ops),
     )  # fmt: skip
 
 
