@@ -408,7 +408,10 @@ def _plan_modes(plan: gradckpt.Plan | None) -> str:
 
     modes = Counter(u.mode for u in plan.units)
     segments = sum(isinstance(i, gradckpt.Segment) for i in plan.items)
-    return ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + f", {segments} segment(s)"
+    text = ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + f", {segments} segment(s)"
+    if plan.token_chunks:  # MLPs in slices of tokens live beside the units' decisions
+        text += ", MLPs in slices: " + ", ".join(f"`{p}` x{k}" for p, k in plan.token_chunks)
+    return text
 
 
 _NAMES = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT", "vit": "ViT", "t5": "T5"}
@@ -494,6 +497,7 @@ def report(all_runs: dict[str, dict[str, Run]], sizes: dict, info: dict) -> tupl
                     "predicted_overhead": r.plan.predicted_overhead if r.plan else None,
                     "every_block_predicted_overhead": r.info.get("every_block_predicted_overhead"),
                     "plan_s": r.plan_s,
+                    "plan": r.plan.to_json() if r.plan else None,
                     "error": r.error,
                 }
                 for c, r in runs.items()

@@ -43,4 +43,11 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
         if malloc_in_use() is not None:  # glibc: autograd's graph is malloc's
             assert hf["beside_bytes"] > 0
         assert runs["gradckpt@half"]["grad_max_abs_diff"] <= 1e-5
+        # The plans themselves are kept (token chunks included), so a result can be read back.
+        import gradckpt
+
+        plan = gradckpt.Plan.from_json(runs["gradckpt@hf"]["plan"])
+        assert plan.items and runs["plain"]["plan"] is None
+        for path, k in plan.token_chunks:
+            assert f"`{path}` x{k}" in text
     assert data["info"]["quick"] is True and "transformers" in data["info"]
