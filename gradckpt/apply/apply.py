@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from torch import nn
 
 from gradckpt.apply import guard as shape_guard
 from gradckpt.apply.calls import CallClock, CallsForward
+from gradckpt.apply.for_compile import prepare_for_compile, wrap_unit
+from gradckpt.apply.installed import (
+    _STATE,
+    _Installed,
+    applied_plan,
+    applied_units,
+    installed_on,
+    on_remove,
+    restamp_plan,
+)
 from gradckpt.apply.token_chunks import token_chunked_forwards
 from gradckpt.apply.wrappers import (
-    RootGuard,
     SegmentSpec,
     UnitForward,
     UnitSpec,
     fsdp_sharded,
-    make_opaque,
     make_root_guard,
     make_wrapper,
     segment_error,
 )
 from gradckpt.engine import dynamo
-from gradckpt.engine.chunking.token_wise import TokenChunkedForward
 from gradckpt.engine.decisions import Keep
 from gradckpt.planning.handlers.registry import handler_for
 from gradckpt.planning.plans.plan import Plan, Segment, UnitChoice
@@ -47,53 +53,6 @@ __all__ = [
 
 class PlanMismatchError(ValueError):
     """The plan was made for another model."""
-
-
-@dataclass
-class _Installed:
-    plan: Plan
-    modules: list[tuple[nn.Module, bool, object]]  # module, had own forward, previous forward
-    units: dict[str, UnitSpec]
-    installed: list[UnitForward | CallsForward | RootGuard | TokenChunkedForward] = field(default_factory=list)  # per modules entry
-    undo: list[Callable[[], None]] = field(default_factory=list)  # settings to put back
-
-
-# What apply installed lives on the model itself (not in a registry keyed by the
-# model), so a deepcopy or an unpickled copy carries its own record, pointing at
-# its own modules, and remove() works on it.
-_STATE = "_gradckpt_installed"
-
-
-def _installed(model: nn.Module) -> _Installed | None:
-    found = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
-    return found if isinstance(found, _Installed) else None
-
-
-def applied_plan(model: nn.Module) -> Plan | None:
-    """The plan installed on ``model`` by :func:`apply`, or None."""
-    installed = _installed(model)
-    return installed.plan if installed is not None else None
-
-
-def restamp_plan(model: nn.Module, plan: Plan) -> None:
-    """Record ``plan`` as the installed one: the same decisions, other measured fields.
-
-    ``fit(..., compile=True)`` learns the compiled peak only after installing.
-    """
-    installed = _installed(model)
-    if installed is None or installed.plan.items != plan.items:
-        raise ValueError("restamp_plan: the model does not run this plan's decisions")
-    installed.plan = plan
-
-
-def applied_units(model: nn.Module) -> dict[str, UnitSpec]:
-    """The installed units of ``model`` by path (empty if no plan is applied).
-
-    Layers above adjust them in place (``gradckpt.compiled.around_regions`` sets
-    their compiled bodies); they live until the plan is removed or replaced.
-    """
-    installed = _installed(model)
-    return installed.units if installed is not None else {}
 
 
 def _specs(model: nn.Module, plan: Plan) -> dict[str, UnitSpec]:
@@ -255,27 +214,6 @@ def _runs_plainly(spec: UnitSpec) -> bool:
     )
 
 
-def wrap_unit(model: nn.Module, path: str) -> None:
-    """Install the wrapper of a unit that runs without one (:func:`_runs_plainly`).
-
-    ``compile_model`` gives such a unit a compiled body, which only a wrapper runs.
-    Removed with the plan, as the others are.
-    """
-    installed = _installed(model)
-    if installed is None or path not in installed.units:
-        raise ValueError(f"wrap_unit: {path!r} is not a unit of the plan applied to the model")
-    spec = installed.units[path]
-    if any(module is spec.module for module, _, _ in installed.modules):
-        return
-    wrapper = make_wrapper(spec, installed.units, segmented=False)
-    guard = model.__dict__.get("forward")
-    wrapper.root = guard if isinstance(guard, RootGuard) else None
-    installed.modules.append((spec.module, "forward" in spec.module.__dict__,
-                              spec.module.__dict__.get("forward")))  # fmt: skip
-    installed.installed.append(wrapper)
-    spec.module.forward = wrapper
-
-
 def install_guarded(model: nn.Module, plan: Plan, guard: shape_guard.ShapeGuard) -> nn.Module:
     """Install ``plan`` with ``guard`` checking every call (``fit``, plan sets)."""
     _check_plan(model, plan)
@@ -306,7 +244,7 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
     ``rebuild``: install the wrappers again even if ``plan`` is installed already.
     """
     _check_plan(model, plan)
-    current = _installed(model)
+    current = installed_on(model)
     undo: list[Callable[[], None]] = []
     if current is not None:
         if current.plan == plan and not rebuild:
@@ -354,28 +292,6 @@ def install_plan(model: nn.Module, plan: Plan, rebuild: bool = False) -> nn.Modu
 shape_guard.register_installer(install_plan)  # a guard switches plans through it
 
 
-def prepare_for_compile(model: nn.Module) -> nn.Module:
-    """Make the installed forwards that open regions opaque to Dynamo (imports it).
-
-    A compiled caller then graph-breaks at each region's call instead of tracing
-    into the wrapper (which it would, correctly but with a recompile per unit);
-    kept units stay traceable. ``apply`` does this itself when Dynamo is already
-    loaded; ``gradckpt.compiled.around_regions.compile_model`` calls it.
-    """
-    installed = _installed(model)
-    if installed is None:
-        return model
-    for spec in installed.units.values():
-        forward = spec.module.__dict__.get("forward")
-        opens_regions = spec.handler.opens_region or bool(spec.segments)
-        if opens_regions and isinstance(forward, UnitForward):
-            make_opaque(forward)
-    guard = model.__dict__.get("forward")
-    if isinstance(guard, RootGuard):
-        make_opaque(guard)  # skips only the guard's own frame: the model's forward compiles
-    return model
-
-
 def _refuse_segments_under_fsdp(model: nn.Module, plan: Plan) -> None:
     modules = dict(model.named_modules())
 
@@ -410,21 +326,6 @@ def _restore(installed: _Installed) -> None:
             module.__dict__.pop("forward", None)
 
 
-def on_remove(model: nn.Module, undo: Callable[[], None]) -> None:
-    """Have :func:`remove` call ``undo`` (integrations put back settings made for the plan).
-
-    ``undo`` lives with the applied plan on the model, so it must copy and
-    pickle with it (a module-level function or a small object, not a closure).
-
-    Example:
-        >>> on_remove(model, RestoreCache(configs))
-    """
-    installed = _installed(model)
-    if installed is None:
-        raise ValueError("on_remove: no plan is applied to this model")
-    installed.undo.append(undo)
-
-
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the model runs exactly as before it was applied.
 
@@ -440,7 +341,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 def _uninstall(model: nn.Module) -> nn.Module:
     """``remove`` without ending a shape guard."""
-    installed = _installed(model)
+    installed = installed_on(model)
     if installed is not None:
         del model.__dict__[_STATE]
         _restore(installed)
