@@ -196,7 +196,7 @@ def _apply_set(model: nn.Module, plans: PlanSet, on_new_shape: str) -> nn.Module
 
 def _runs_plainly(spec: UnitSpec) -> bool:
     """A unit that runs its plain forward on every path: a kept one, outside every
-    segment, whose shape the model's guard checks and that has no compiled body.
+    segment, whose shape the model's guard checks (a fresh spec has no compiled body).
 
     Its wrapper would cost a call per unit call and decide nothing; on short ops
     (a GPU's regime) that shows in the step, so it gets none. The root module
@@ -209,7 +209,6 @@ def _runs_plainly(spec: UnitSpec) -> bool:
         and "forward" not in spec.module.__dict__
         and not spec.segments
         and spec.expected_shape is None
-        and spec.compiled is None
         and spec.path != ""
     )
 

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from gradckpt.apply import guard_copies
 from gradckpt.apply.guard_learning import Learning, start
+from gradckpt.apply.guard_stats import ShapeStats
 from gradckpt.apply.guard_steps import ShapeError, StepCalls, StepRouting, arm
 from gradckpt.measure.memory import format_bytes
 from gradckpt.planning.plans.call_key import Key, ShapeKey, shape_key
@@ -101,44 +102,6 @@ def quick_sig(args: tuple, kwargs: dict) -> tuple | None:
 Planner = Callable[[list[tuple[tuple, dict]]], Plan]
 #: A plan's predicted peak at the shapes of one step's calls.
 Predictor = Callable[[Plan, list[tuple[tuple, dict]]], int]
-
-
-@dataclass(frozen=True)
-class ShapeStats:
-    """What the guard did so far: calls seen, plans held, plans made at runtime, switches.
-
-    Example:
-        >>> print(gradckpt.shape_stats(model).summary())
-    """
-
-    calls: int
-    plans: int
-    replans: int
-    replan_seconds: tuple[float, ...]
-    switches: int
-    warnings: int
-    policy: str
-    active: str
-    rescaled: int = 0  # re-plans made from rescaled profiles (no profile at their shape)
-    recompiles: int = 0  # torch._dynamo recompiles of a compiled model (gradckpt.compile)
-    #: (shape, route) per planned shape: how it got its plan (gradckpt.api.shape_planner.ROUTES)
-    routes: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def replan_seconds_total(self) -> float:
-        return sum(self.replan_seconds)
-
-    def summary(self) -> str:
-        """One line, e.g. for a training log."""
-        most = max(self.replan_seconds, default=0.0)
-        return (
-            f"gradckpt shapes: {self.plans} plan(s), {self.replans} planned during training "
-            f"in {self.replan_seconds_total:.2f} s (longest {most:.2f} s; {self.rescaled} by "
-            f"rescaling), {self.switches} "
-            f"switch(es) over {self.calls} guarded call(s), {self.warnings} warning(s), "
-            f"{self.recompiles} torch._dynamo recompile(s); "
-            f"policy {self.policy}; active shape {self.active}"
-        )
 
 
 # How a guard puts a plan on its model: gradckpt.apply.apply's install_plan, handed

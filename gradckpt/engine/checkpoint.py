@@ -134,7 +134,7 @@ def region_for(
 ) -> Frame:  # fmt: skip
     """The region :func:`run_checkpointed` opens for ``fn(*args, **kwargs)``, inputs kept,
     its forward not run yet (a chunk deferring its slices makes them so, see
-    :mod:`gradckpt.engine.chunking.deferred`)."""
+    :mod:`gradckpt.engine.chunking.slices`)."""
     if not kwargs and all(_is_leaf(a) for a in args):
         # The common call, block(x): pytree's walk costs more than the rest of the entry.
         flat = list(args)

@@ -9,8 +9,9 @@ hidden activation lives at a time, in the forward and when backward recomputes
 it. Inside an enclosing region's forward (a recomputed block) the slices run
 plainly and are recomputed by that region; in its recompute each slice is a
 nested region again, opened without running when the chunk is ``deferrable``
-(it draws no random numbers) and holds that recompute's last saved tensor. Without gradients, or when called otherwise than with one
-tensor, it is the plain forward.
+(it draws no random numbers) and holds that recompute's last saved tensor.
+Without gradients, or when called otherwise than with one tensor, it is the
+plain forward.
 
 The planner installs it only on modules it proved token-wise on the profile
 (:mod:`gradckpt.planning.kinds.chunk.token_wise`). Results equal the plain

@@ -178,10 +178,9 @@ def plan_counts(
     """
     total = EngineCounts()
     for region in tops:  # a chunked region is entered once per slice
+        # Slices run their ops again in the forward and backward, nested or not.
         total += EngineCounts(regions=region.repeats, policy_ops=_policy_ops(region),
                               sliced_ops=_sliced_ops(region))  # fmt: skip
-        for child in region.children:  # a kept block's chunked MLP
-            total += EngineCounts(sliced_ops=_sliced_ops(child))
     for region, stop in recomputed:
         for child in region.children:  # opened while this recompute runs
             total += EngineCounts(regions=child.repeats, policy_ops=_policy_ops(child))
@@ -195,7 +194,9 @@ def plan_counts(
 
 
 def _sliced_ops(region: Region) -> int:
-    return (region.repeats - 1) * region.slice_ops
+    """Ops the slices of ``region`` and of the chunked regions inside it run again."""
+    own = (region.repeats - 1) * region.slice_ops
+    return own + sum(_sliced_ops(child) for child in region.children)
 
 
 def _policy_ops(region: Region) -> int:
