@@ -67,7 +67,6 @@ __all__ = [
     "register_installer",
     "returned",
     "shape_stats",
-    "steady",
 ]
 
 # The attribute of the model's __dict__ that holds its guard (copied and pickled with it).
@@ -158,19 +157,6 @@ def check(forward: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | Learn
         return None
     guard._busy.redispatched = True  # the new root's check of this same call is a no-op
     return model.__dict__.get("forward")
-
-
-def steady(forward: Any, args: tuple, kwargs: dict) -> ShapeGuard | None:
-    """The guard of the model ``forward`` is bound to, when this call is its usual one and
-    began a step (:meth:`ShapeGuard.steady_call`); None: :func:`check` decides.
-
-    Only the model's own guard: a copy's is bound at its first call by ``check``.
-    """
-    model = getattr(forward, "__self__", None)
-    guard = model.__dict__.get(_ATTR) if isinstance(model, nn.Module) else None
-    if not isinstance(guard, ShapeGuard) or guard.owner is None or guard.owner() is not model:
-        return None
-    return guard if guard.steady_call(args, kwargs) else None
 
 
 def returned(forward: Any, out: Any) -> None:

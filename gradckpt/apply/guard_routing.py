@@ -221,36 +221,6 @@ class ShapeGuard(StepRouting):
         step.plan_key = self.active
         return entry
 
-    def steady_call(self, args: tuple, kwargs: dict) -> bool:
-        """Begin a step at this call if it is the usual one (grad on, its shapes met before
-        as the active plan's first call, the last step ended on plan), as :meth:`on_call`
-        would; False, touching nothing, for any other call (``on_call`` then decides).
-
-        The step-by-step path costs a dozen Python calls per model call; on short ops
-        (a GPU's regime) that shows in the step (#42).
-        """
-        if (
-            self.interim or self.learning_calls or self.active is None
-            or not torch.is_grad_enabled()
-        ):  # fmt: skip
-            return False
-        busy = self._busy.__dict__
-        if busy.get("on") or busy.get("redispatched"):
-            return False
-        quick = quick_sig(args, kwargs)
-        if quick is None or self._keys.get(quick) is not self.active:
-            return False
-        if self.preferred and self.active in self.preferred:
-            return False
-        step = getattr(self._steps, "current", None)
-        if step is not None and (not step.ended or step.off_plan):
-            return False
-        self.calls += 1
-        step = self._steps.current = StepCalls()
-        step.add(self.active, args, kwargs)
-        step.plan_key = self.active
-        return True
-
     def abandon(self) -> None:
         """The running step stops here (a call refused or raised): the next call begins anew."""
         self._steps.current = None

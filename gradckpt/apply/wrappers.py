@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from gradckpt.apply import guard as shape_guard
+from gradckpt.apply.guard_lean import NOT_USUAL, run_usual
 from gradckpt.apply.segment import SegmentFrame, open_segment, run_segment_start
 from gradckpt.apply.specs import (
     PlanPolicy,
@@ -264,21 +265,15 @@ class RootGuard:
         if dynamo.is_compiling():
             # Skip only the guard's frame: the model's own forward still compiles.
             return dynamo.opaque(self.run, recursive=False)(*args, **kwargs)
-        return self.run(*args, **kwargs)
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.lean and not dynamo.frames_watched():
             # The usual call of a plan without segments: no segment to close, no unit
             # that asks which model call runs; the guard begins the step and follows it.
-            guard = shape_guard.steady(self.forward, args, kwargs)
-            if guard is not None:
-                try:
-                    out = self.forward(*args, **kwargs)
-                except BaseException:
-                    guard.abandon()
-                    raise
-                guard.on_return(out)
+            out = run_usual(self.forward, args, kwargs)
+            if out is not NOT_USUAL:
                 return out
+        return self.run(*args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         # Every call is checked: the guard follows each step's calls (which one of the
         # step this is), and reads a call with the last shapes from a small cache. Where
         # Dynamo watches no frame, the plain functions (their disabled wrappers cost as
