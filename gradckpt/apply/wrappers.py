@@ -260,17 +260,18 @@ class RootGuard:
         return self.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lean and self.active and not dynamo.frames_watched():
+            # The usual call of a plan without segments: no segment to close, no unit
+            # that asks which model call runs; the guard begins the step and follows it.
+            # (Not while Dynamo traces or watches: frames_watched is True then.)
+            out = run_usual(self.forward, args, kwargs)
+            if out is not NOT_USUAL:
+                return out
         if not self.active:
             return self.forward(*args, **kwargs)
         if dynamo.is_compiling():
             # Skip only the guard's frame: the model's own forward still compiles.
             return dynamo.opaque(self.run, recursive=False)(*args, **kwargs)
-        if self.lean and not dynamo.frames_watched():
-            # The usual call of a plan without segments: no segment to close, no unit
-            # that asks which model call runs; the guard begins the step and follows it.
-            out = run_usual(self.forward, args, kwargs)
-            if out is not NOT_USUAL:
-                return out
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
