@@ -160,3 +160,21 @@ def test_engine_short_ops_quick_writes_report(tmp_path: Path) -> None:
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _written(again, "engine-shortops")[0] == text
+
+
+def test_shortops_pooled_pools_every_round_of_the_runs(tmp_path: Path) -> None:
+    from benchmarks.harness.stats import median_interval, paired_ratios
+    from benchmarks.shortops_pooled import main
+
+    runs = [ROOT / f"benchmarks/results/engine-shortops-cpu-2026-12-05-{s}.json" for s in "gh"]
+    assert main([str(p) for p in runs] + ["--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("engine-shortops-pooled-cpu-*.json")
+    pooled = json.loads(written.read_text())["configs"]["short"]
+    row = pooled["fit at the plain peak / the same model plain (toggled)"]
+    ratios = []
+    for path in runs:
+        toggled = json.loads(path.read_text())["configs"]["short"]["toggled_fit_plain"]
+        ratios += paired_ratios({"times": toggled["fit_plain"]}, {"times": toggled["plain"]})
+    assert row["rounds"] == len(ratios) == 160
+    assert row["pooled"] == list(median_interval(ratios))
+    assert set(row["per_run"]) == {p.stem for p in runs}
