@@ -24,7 +24,7 @@ import torch
 
 import gradckpt
 from gradckpt import policies
-from gradckpt.engine import frame as frame_module
+from gradckpt.engine import recompute as recompute_module
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,7 +121,7 @@ def test_runaway_recompute_is_a_checkpoint_error_not_a_system_error(monkeypatch)
     # With the depth cap at 1, c(c(grad(f))) needs two recomputes inside one
     # another: the cap must speak as a CheckpointError (torch's type), never
     # as the RecursionError/SystemError an unbounded recursion ends in.
-    monkeypatch.setattr(frame_module, "MAX_RECOMPUTE_DEPTH", 1)
+    monkeypatch.setattr(recompute_module, "MAX_RECOMPUTE_DEPTH", 1)
     x = torch.randn(3, requires_grad=True)
     out = compose("gcc", gradckpt.checkpoint)(x)
     with pytest.raises(torch.utils.checkpoint.CheckpointError, match="inside one another"):
@@ -136,7 +136,7 @@ def test_a_real_runaway_ends_in_checkpoint_error_at_the_default_cap(monkeypatch)
     from gradckpt.engine import holders
 
     monkeypatch.setattr(holders, "_deferred_by_running_recompute", lambda holder, gid: None)
-    monkeypatch.setattr(frame_module, "running_gid", lambda frame: None)
+    monkeypatch.setattr(recompute_module, "running_gid", lambda frame: None)
     x = torch.randn(3, requires_grad=True)
     out = compose("cgc", gradckpt.checkpoint)(x)
     with pytest.raises(torch.utils.checkpoint.CheckpointError, match="at most 32"):
