@@ -129,3 +129,30 @@ def test_a_plan_with_segments_runs_the_root_in_full():
     )  # fmt: skip
     gradckpt.apply(ex.model, Plan(items, model_fingerprint(ex.model)))
     assert not ex.model.__dict__["forward"].lean  # its segments need the root's bookkeeping
+
+
+def test_copies_count_their_usual_calls_on_their_own_guards(monkeypatch):
+    import copy
+    import io
+
+    ex = make("gpt", layers=2, d_model=32, heads=2, seq=16, vocab=128, batch=2)
+    gradckpt.fit(ex.model, ex.loss_fn, budget=1.0, measure_candidates=0, chunking=False)
+    idx = ex.inputs["idx"]
+    ex.model(idx).sum().backward()
+    saved_calls = gradckpt.shape_stats(ex.model).calls  # a copy carries the counters
+    buffer = io.BytesIO()
+    torch.save(ex.model, buffer)
+    buffer.seek(0)
+    pickled = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(ex.model)
+    checked = _check_calls(monkeypatch)
+    # A deep copy's guard is bound to it at once; a pickled copy's at its first call,
+    # which the full check makes (a guard not yet bound has no owner to run lean for).
+    for model, full in ((twin, 0), (pickled, 1)):
+        seen = len(checked)
+        for _ in range(3):
+            model(idx).sum().backward()
+        assert len(checked) - seen == full  # every other call: the lean path
+        assert guard.guard_of(model).owner() is model
+        assert gradckpt.shape_stats(model).calls == saved_calls + 3  # counted on the copy
+    assert gradckpt.shape_stats(ex.model).calls == saved_calls  # not on the original
