@@ -12,7 +12,7 @@ call, no grad, a copy's first call, a guard busy profiling) is left untouched
 here and goes through :func:`gradckpt.apply.guard.check`.
 
 Example:
-    >>> out = run_usual(model.forward_unwrapped, args, kwargs)
+    >>> out = run_usual(root.forward, args, kwargs)  # root: the model's RootGuard
     >>> if out is NOT_USUAL: ...  # the full check decides
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gradckpt.apply.guard import _ATTR
 from gradckpt.apply.guard_routing import ShapeGuard, quick_sig
 from gradckpt.apply.guard_steps import StepCalls, arm
 
@@ -31,8 +32,6 @@ __all__ = ["NOT_USUAL", "run_usual", "usual_step"]
 #: :func:`run_usual`'s answer for a call it did not run.
 NOT_USUAL = object()
 
-# The attribute of the model's __dict__ that holds its guard (as gradckpt.apply.guard).
-_ATTR = "_gradckpt_shape_guard"
 _Tensor = torch.Tensor
 
 
