@@ -32,7 +32,6 @@ __all__ = ["NOT_USUAL", "run_usual", "usual_step"]
 #: :func:`run_usual`'s answer for a call it did not run.
 NOT_USUAL = object()
 
-_Tensor = torch.Tensor
 
 
 def usual_step(guard: ShapeGuard, args: tuple, kwargs: dict) -> StepCalls | None:
@@ -44,11 +43,7 @@ def usual_step(guard: ShapeGuard, args: tuple, kwargs: dict) -> StepCalls | None
     busy = guard._busy.__dict__
     if busy and (busy.get("on") or busy.get("redispatched")):
         return None  # profiling the model, or a call the full check already routed
-    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:  # model(x): quick_sig's own
-        x = args[0]
-        quick: tuple | None = ((x.shape, x.dtype, x.requires_grad),)
-    else:
-        quick = quick_sig(args, kwargs)
+    quick = quick_sig(args, kwargs)
     if quick is None or guard._keys.get(quick) is not active:
         return None
     if guard.preferred and active in guard.preferred:

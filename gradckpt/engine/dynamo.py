@@ -46,22 +46,17 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-# Looked up once: frames_watched runs on every call of a guarded model (issue #42).
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
-_modules = sys.modules
-
-
 def frames_watched() -> bool:
     """True while Dynamo traces or watches new Python frames here (a compiled caller runs).
 
     Outside both, a Dynamo-disabled wrapper is pure cost: plain eager code may call
     the function itself.
     """
-    if "torch._dynamo" not in _modules:
+    if not loaded():
         return False
     if torch.compiler.is_compiling():
         return True
-    return _eval_frame_callback() not in (None, False)
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 def opaque(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
